@@ -1,0 +1,207 @@
+"""The data a placement policy decides on and returns: pure messages, no I/O.
+
+The same structs flow from the live router and from the discrete-event simulator, so a
+policy cannot tell which one is calling it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+Role = Literal["prefill", "decode", "mixed"]
+Action = Literal["colocate", "handoff", "migrate", "recompute", "reject"]
+
+
+class Objectives(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Per-turn service objectives: time to first token and inter-token gap, in ms."""
+
+    ttft_ms: float
+    itl_ms: float
+
+
+class Turn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One request of a session, as the router sees it before placing it.
+
+    `prompt_tokens` is the whole context (history plus new input); `uncached_tokens` is the
+    part not already resident on the session's worker (equal to `prompt_tokens` for a new
+    session). Both are estimates until the worker reports usage.
+    """
+
+    session_id: str
+    request_id: str
+    prompt_tokens: int
+    uncached_tokens: int
+    max_tokens: int
+    objectives: Objectives
+    arrival_s: float
+
+
+class WorkerView(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What the router knows of one worker, with the age of that knowledge."""
+
+    worker_id: str
+    role: Role
+    healthy: bool
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    inflight: int = 0
+    draining: bool = False
+    node: str = ""
+    scraped_age_s: float = 0.0
+
+    @property
+    def accepts_new_work(self) -> bool:
+        return self.healthy and not self.draining
+
+
+class LinkView(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A transfer path between two workers; rates in bytes per second.
+
+    `bytes_in_flight` and `reserved_bytes` are summed over all router replicas (the Redis
+    ledger), so one replica sees the congestion its peers export.
+    """
+
+    src: str
+    dst: str
+    capacity_bps: float
+    observed_bps: float = 0.0
+    bytes_in_flight: int = 0
+    reserved_bytes: int = 0
+    latency_s: float = 0.0
+
+
+class Residency(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where a session's KV state is believed to live, and how large it is."""
+
+    worker_id: str
+    tokens: int
+    bytes: int
+    epoch: int
+    turns: int = 0
+
+
+class ClusterView(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A snapshot of the fleet for one decision."""
+
+    now_s: float
+    workers: tuple[WorkerView, ...]
+    links: tuple[LinkView, ...] = ()
+    residency: Residency | None = None
+    kv_bytes_per_token: int = 131072
+
+    def worker(self, worker_id: str) -> WorkerView | None:
+        for worker in self.workers:
+            if worker.worker_id == worker_id:
+                return worker
+        return None
+
+    def link(self, src: str, dst: str) -> LinkView | None:
+        for link in self.links:
+            if link.src == src and link.dst == dst:
+                return link
+        return None
+
+
+class Prediction(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The terms of I > H + dQ + dC for the chosen placement, in ms (0 when not estimated)."""
+
+    interference_ms: float = 0.0
+    exposed_transfer_ms: float = 0.0
+    queue_delta_ms: float = 0.0
+    compute_delta_ms: float = 0.0
+    ttft_ms: float = 0.0
+
+
+_NO_PREDICTION = Prediction()
+
+
+class Colocate(
+    msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="action", tag="colocate"
+):
+    """Prefill and decode the turn on one worker (normally the resident one)."""
+
+    worker: str
+    predicted: Prediction = _NO_PREDICTION
+    reason: str = ""
+
+
+class Handoff(
+    msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="action", tag="handoff"
+):
+    """Prefill on one worker, transfer the KV, decode on another."""
+
+    prefill_worker: str
+    decode_worker: str
+    predicted: Prediction = _NO_PREDICTION
+    reason: str = ""
+
+
+class Migrate(
+    msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="action", tag="migrate"
+):
+    """Move the session's resident state from `source` to `destination`, then serve there."""
+
+    source: str
+    destination: str
+    predicted: Prediction = _NO_PREDICTION
+    reason: str = ""
+
+
+class Recompute(
+    msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="action", tag="recompute"
+):
+    """Serve on a worker without the state, prefilling the whole context again."""
+
+    worker: str
+    predicted: Prediction = _NO_PREDICTION
+    reason: str = ""
+
+
+class Reject(
+    msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="action", tag="reject"
+):
+    """Refuse the turn now; the client may retry after `retry_after_s`."""
+
+    retry_after_s: float = 1.0
+    predicted: Prediction = _NO_PREDICTION
+    reason: str = ""
+
+
+Decision = Colocate | Handoff | Migrate | Recompute | Reject
+
+
+def action_of(decision: Decision) -> Action:
+    """The action word of a decision (its msgspec tag)."""
+    tag: Action = type(decision).__struct_config__.tag  # type: ignore[assignment]
+    return tag
+
+
+class Outcome(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What actually happened to a placed turn, fed back to `Policy.observe`.
+
+    Times are in ms and are None for stages the turn did not go through (no transfer on a
+    colocated turn). `ok` is False when the turn failed after placement.
+    """
+
+    request_id: str
+    session_id: str
+    action: Action
+    prefill_worker: str | None
+    decode_worker: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    ok: bool
+    queue_ms: float | None = None
+    prefill_ms: float | None = None
+    transfer_ms: float | None = None
+    transfer_bytes: int = 0
+    ttft_ms: float | None = None
+    itl_p99_ms: float | None = None
+    decode_ms: float | None = None
+    worker_running_at_start: int = 0
+    worker_waiting_at_start: int = 0
+    predicted: Prediction = _NO_PREDICTION
