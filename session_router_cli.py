@@ -12,7 +12,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-PROVIDERS = ("sim.commands",)
+PROVIDERS = ("router.commands", "sim.commands", "bench.commands")
 
 
 def build_parser() -> argparse.ArgumentParser:

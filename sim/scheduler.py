@@ -1,0 +1,129 @@
+"""One scheduling decision of the continuous-batching engine (vLLM v1 style).
+
+Order within a step: one decode token for every running request that finished its prefill
+(allocating a block when the next token starts one, preempting by recompute when none is
+free), then the next chunks of running prefills, then admissions from the waiting queue in
+FCFS order, within the token budget and the sequence cap. Admission takes all blocks of the
+request's uncached context at once, so a request once admitted never waits for blocks
+during its prefill; only decodes allocate (and preempt) later.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+from sim.engine_types import SeqState
+from sim.kvcache import extend_block_hashes
+
+if TYPE_CHECKING:
+    from sim.engine import Engine
+
+
+class Plan(NamedTuple):
+    batch: list[tuple[SeqState, int]]  # (request, tokens computed for it in this step)
+    decode_contexts: list[int]
+    prefill_chunks: list[tuple[int, int]]  # (new tokens, context before the chunk)
+
+
+def schedule(engine: Engine) -> Plan:
+    config = engine.config
+    blocks = engine.blocks
+    bs = blocks.block_size
+    budget = config.max_num_batched_tokens
+    chunk = config.chunked_prefill
+    running = engine.running
+    batch: list[tuple[SeqState, int]] = []
+    decode_contexts: list[int] = []
+    prefill_chunks: list[tuple[int, int]] = []
+    preempted = False
+
+    # 1. Decodes, in admission order; victims come from the tail (the most recently admitted).
+    i = 0
+    while i < len(running) and budget > 0:
+        seq = running[i]
+        n_tokens = len(seq.tokens)
+        if n_tokens - seq.num_computed != 1:
+            i += 1
+            continue
+        if n_tokens > len(seq.block_ids) * bs:
+            block = blocks.allocate_one()
+            while block is None:
+                victim = running.pop()
+                engine.preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+                block = blocks.allocate_one()
+            if block is None:
+                break  # preempted itself: everything after it was preempted before
+            seq.block_ids.append(block)
+        batch.append((seq, 1))
+        decode_contexts.append(n_tokens)
+        budget -= 1
+        i += 1
+
+    # 2. Running prefills continue (only chunked prefill leaves a prompt unfinished).
+    prefilling = False
+    for seq in running:
+        if budget == 0:
+            break
+        remaining = len(seq.tokens) - seq.num_computed
+        if remaining <= 1:
+            continue
+        n = min(remaining, chunk or remaining, budget)
+        batch.append((seq, n))
+        prefill_chunks.append((n, seq.num_computed))
+        budget -= n
+        prefilling = True
+
+    # 3. Admissions. Skipped after a preemption so a victim is not readmitted at once.
+    if preempted:
+        return Plan(batch, decode_contexts, prefill_chunks)
+    waiting = engine.waiting
+    limit = config.max_num_seqs
+    now = engine.clock.now()
+    while waiting and budget > 0 and len(running) < limit:
+        seq = waiting[0]
+        tokens = seq.tokens
+        n_tokens = len(tokens)
+        # At least the last token is computed, even on a full hit (as vLLM).
+        matched = blocks.match(tokens, seq.hashes, (n_tokens - 1) // bs)
+        local = len(matched) * bs
+        start = max(local, min(seq.preloaded, n_tokens - 1))
+        n = n_tokens - start
+        if chunk is not None:
+            n = min(n, chunk, budget)
+        elif n > budget and (prefilling or n <= config.max_num_batched_tokens):
+            break  # a prompt larger than the whole budget runs as the step's only prefill
+        new_blocks = -(-n_tokens // bs) - len(matched)
+        if new_blocks + blocks.evictable_among(matched) > blocks.num_free_blocks:
+            break
+        waiting.popleft()
+        blocks.acquire(matched)
+        seq.block_ids = matched + blocks.allocate(new_blocks)
+        if seq.preloaded:
+            _register_preloaded(engine, seq, len(matched))
+        blocks.record_query(n_tokens, local)
+        if seq.first_scheduled_time < 0.0:
+            seq.first_scheduled_time = now
+            seq.cached_tokens = start
+            seq.preloaded_stat = start - local
+        seq.preloaded = 0  # pulled KV is gone once the request is preempted
+        seq.num_computed = start
+        running.append(seq)
+        batch.append((seq, n))
+        prefill_chunks.append((n, start))
+        budget -= n
+        prefilling = True
+    return Plan(batch, decode_contexts, prefill_chunks)
+
+
+def _register_preloaded(engine: Engine, seq: SeqState, first_block: int) -> None:
+    """Pulled KV fills the request's blocks: publish its full blocks for later turns."""
+    blocks = engine.blocks
+    full = min(seq.preloaded, len(seq.tokens)) // blocks.block_size
+    if full <= first_block or not blocks.enable_prefix_caching:
+        return
+    extend_block_hashes(seq.tokens, seq.hashes, blocks.block_size, full)
+    for k in range(first_block, full):
+        blocks.register(seq.block_ids[k], seq.hashes[k])

@@ -1,0 +1,145 @@
+"""A whitespace tokenizer, the chat template and the deterministic text the engine generates.
+
+One token per whitespace-separated word: `text.split()` decides the words, and a word's id is
+the CRC-32 of its UTF-8 bytes masked to 31 bits, so ids agree across processes and machines
+(Python's salted `hash` of a str would not). Generated text is words joined by single spaces,
+so a client that sends an answer back in the next turn produces exactly the generated ids.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable, Mapping, Sequence
+from functools import lru_cache
+from typing import Any
+
+ID_MASK = 0x7FFFFFFF
+ASSISTANT_TAG = "<|assistant|>"
+
+
+@lru_cache(maxsize=65536)
+def token_id(word: str) -> int:
+    return zlib.crc32(word.encode("utf-8")) & ID_MASK
+
+
+def tokenize(text: str) -> list[int]:
+    return [token_id(word) for word in text.split()]
+
+
+def count_tokens(text: str) -> int:
+    return len(text.split())
+
+
+def _content_text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts: list[str] = []
+        for part in content:
+            if not isinstance(part, Mapping) or part.get("type") != "text":
+                raise ValueError("only text content parts are supported")
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise ValueError("a text content part needs a string 'text'")
+            texts.append(text)
+        return " ".join(texts)
+    raise ValueError("message content must be a string or a list of text parts")
+
+
+def render_chat(messages: Sequence[Mapping[str, Any]]) -> str:
+    """Render OpenAI chat messages as "<|role|> content ..." and a final "<|assistant|>".
+
+    Each message costs one tag token plus its content's words, and the generation prompt one
+    more, so a turn's rendering equals the previous turn's rendering, plus the assistant
+    answer, plus the new messages: prefix caching hits across turns.
+    """
+    if not messages:
+        raise ValueError("messages must not be empty")
+    pieces: list[str] = []
+    for message in messages:
+        role = message.get("role")
+        if not isinstance(role, str) or not role or any(c.isspace() for c in role):
+            raise ValueError("each message needs a 'role' string without whitespace")
+        pieces.append(f"<|{role}|>")
+        text = _content_text(message.get("content"))
+        if text and not text.isspace():
+            pieces.append(text)
+    pieces.append(ASSISTANT_TAG)
+    return " ".join(pieces)
+
+
+# Plain lowercase English words: the vocabulary of generated text.
+VOCABULARY: tuple[str, ...] = tuple(
+    """
+    the of and to in is that it was for on are as with his they at be this from have or by
+    one had not but what all were when we there can an your which their said if do will each
+    about how up out them then she many some so these would other into has more her two like
+    him see time could no make than first been its who now people my made over did down only
+    way find use may water long little very after words called just where most know get
+    through back much before go good new write our used me man too any day same right look
+    think also around another came come work three word must because does part even place well
+    such here take why things help put years different away again off went old number great
+    tell men say small every found still between name should home big give air line set own
+    under read last never us left end along while might next sound below saw something thought
+    both few those always looked show large often together asked house world going want school
+    important until form food keep children feet land side without boy once animals life enough
+    took sometimes four head above kind began almost live page got earth need far hand high
+    year mother light parts country father let night following picture being study second eyes
+    soon times story boys since white days ever paper hard near sentence better best across
+    during today others however sure means knew try told young miles sun ways thing whole hear
+    example heard several change answer room sea against top turned learn point city play toward
+    five using himself usually money seen car morning given became body family later order
+    river stone garden window table music green field bridge cloud winter summer forest valley
+    market letter street village engine signal harbor quiet bright simple careful gentle
+    """.split()
+)
+_VOCAB_IDS: tuple[int, ...] = tuple(token_id(w) for w in VOCABULARY)
+_VOCAB_INDEX: dict[str, int] = {w: i for i, w in enumerate(VOCABULARY)}
+
+_M64 = 0xFFFFFFFFFFFFFFFF
+_GOLDEN = 0x9E3779B97F4A7C15
+_VOCAB_SIZE = len(VOCABULARY)
+
+
+def _mix(x: int) -> int:
+    # splitmix64 finaliser: a cheap, well-spread integer hash.
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+class WordGenerator:
+    """Deterministic generated words: word i of a request depends on (seed, request_id, i)."""
+
+    __slots__ = ("seed",)
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+
+    def request_key(self, request_id: str) -> int:
+        """A 64-bit key for `request_id`; `index_at(key, i)` then costs no string hashing."""
+        data = f"{self.seed}\x00{request_id}".encode()
+        return (zlib.crc32(data) << 32) | zlib.adler32(data)
+
+    @staticmethod
+    def index_at(key: int, index: int) -> int:
+        """Vocabulary index of word `index` for a request key."""
+        return _mix((key + (index + 1) * _GOLDEN) & _M64) % _VOCAB_SIZE
+
+    @staticmethod
+    def token_id_at(key: int, index: int) -> int:
+        """Token id of word `index` (the engine's per-token hot path: `_mix` inlined)."""
+        x = (key + (index + 1) * _GOLDEN) & _M64
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+        return _VOCAB_IDS[(x ^ (x >> 31)) % _VOCAB_SIZE]
+
+    def words(self, request_id: str, start: int, count: int) -> list[str]:
+        key = self.request_key(request_id)
+        return [VOCABULARY[self.index_at(key, i)] for i in range(start, start + count)]
+
+    @staticmethod
+    def token_ids_for(words: Iterable[str]) -> list[int]:
+        return [_VOCAB_IDS[_VOCAB_INDEX[w]] if w in _VOCAB_INDEX else token_id(w) for w in words]
