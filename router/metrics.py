@@ -39,6 +39,10 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0
 HANDOFF_BUCKETS = (1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 ERROR_RATIO_BUCKETS = (0.0, 0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.11, 1.25, 1.5, 2.0, 4.0, 10.0)
 
+# policy: the placement policy refused the turn (429); no_worker: no healthy or reachable
+# worker could take it (503).
+REJECT_REASONS = ("policy", "no_worker")
+
 # Prediction field -> the `term` label value.
 ESTIMATE_TERMS = (
     ("interference_ms", "interference"),
@@ -161,7 +165,10 @@ class RouterMetrics:
         }
         self._decisions: dict[tuple[str, str], Counter] = {}
         self._redis: dict[str, Histogram] = {}
-        self._rejected: dict[str, Counter] = {}
+        # the reasons the router uses, exported at 0 from the start
+        self._rejected: dict[str, Counter] = {
+            reason: self.rejected_total.labels(reason) for reason in REJECT_REASONS
+        }
         self._retries: dict[str, Counter] = {}
         self._inflight: dict[str, Gauge] = {}
         self._upstream_errors: dict[tuple[str, str], Counter] = {}

@@ -1,0 +1,230 @@
+"""Assemble the router: shared state, worker telemetry, policy, pipeline and HTTP endpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from policies import create_policy
+from router.admin import Admin
+from router.config import RouterConfig
+from router.embedded_redis import EmbeddedRedis
+from router.errors import error_response
+from router.events import EventLog, StageClock
+from router.execute import Executor
+from router.metrics import RouterMetrics
+from router.proxy import PolicyHolder, TurnPipeline
+from router.state import SharedState, StateConfig, WorkerRecord
+from router.telemetry import Scraper, ScrapeTarget, WorkerLoad
+from router.workers import WorkerPool
+
+log = logging.getLogger("router")
+_MODELS_REFRESH_S = 30.0
+_encode = msgspec.json.Encoder().encode
+
+
+class Router:
+    """One router replica. `start()` brings everything up; `app` is the aiohttp application."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.metrics = RouterMetrics()
+        self.pool = WorkerPool(config.workers)
+        self.metrics.bind_workers(self.pool.workers)
+        policy_config = config.policy
+        self.policy = PolicyHolder(
+            policy_config.name, create_policy(policy_config.name, policy_config.params)
+        )
+        self.events = EventLog(path=config.events)
+        self.clock = StageClock()
+        self._embedded: EmbeddedRedis | None = None
+        self.state: SharedState | None = None
+        self.scraper: Scraper | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._models: dict[str, dict[str, Any]] = {}
+        self.app = web.Application(
+            client_max_size=config.max_body_bytes, middlewares=[_openai_errors]
+        )
+        self.app.on_startup.append(self._on_startup)
+        self.app.on_cleanup.append(self._on_cleanup)
+
+    async def _on_startup(self, app: web.Application) -> None:
+        await self.start()
+
+    async def _on_cleanup(self, app: web.Application) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        config = self.config
+        url = config.redis
+        if url == "embedded":
+            self._embedded = EmbeddedRedis()
+            url = self._embedded.start()
+        self.state = SharedState(
+            StateConfig(url=url, prefix=config.redis_prefix, session_ttl_s=config.session_ttl_s),
+            on_roundtrip=self.metrics.redis_roundtrip,
+            on_degraded=self._on_degraded,
+        )
+        await self.state.start()
+        session = self.pool.open_session(config.connect_timeout_s)
+        self._declare_links()
+        interval = config.scrape_interval_ms / 1000
+        targets = [
+            ScrapeTarget(worker_id=worker_id, url=state.spec.base_url, engine=state.spec.engine)
+            for worker_id, state in self.pool.workers.items()
+        ]
+        self.scraper = Scraper(session, targets, interval, max(0.2, 4 * interval), self._on_scrape)
+        await self.scraper.scrape_once()
+        self.scraper.start()
+        await self._refresh_models()
+        self._tasks.append(asyncio.create_task(self._models_loop()))
+        executor = Executor(config, self.pool, self.state, self.clock, self._on_upstream_error)
+        self.pipeline = TurnPipeline(
+            config, self.pool, self.state, self.policy, self.metrics, self.events, executor,
+            self.clock, self._mark_failed,
+        )  # fmt: skip
+        self._add_routes()
+
+    def _add_routes(self) -> None:
+        assert self.state is not None
+        router = self.app.router
+        router.add_post("/v1/chat/completions", self._chat)
+        router.add_post("/v1/completions", self._completions)
+        router.add_get("/v1/models", self._list_models)
+        router.add_get("/health", self._health)
+        router.add_get("/ready", self._ready)
+        router.add_get("/metrics", self._metrics)
+        Admin(self.config.admin_token, self.pool, self.state, self.events,
+              self.policy).add_routes(self.app)  # fmt: skip
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        self._tasks.clear()
+        if self.scraper is not None:
+            await self.scraper.stop()
+        await self.pool.close()
+        if self.state is not None:
+            await self.state.close()
+        await self.events.close()
+        if self._embedded is not None:
+            self._embedded.stop()
+            self._embedded = None
+
+    # -- wiring ---------------------------------------------------------------------------
+    def _declare_links(self) -> None:
+        assert self.state is not None
+        specs = [state.spec for state in self.pool.workers.values()]
+        for src in specs:
+            if src.role == "decode":
+                continue
+            for dst in specs:
+                if dst is src or dst.role == "prefill":
+                    continue
+                capacity = min(src.nic_gbps, dst.nic_gbps) * 1e9 / 8
+                self.state.set_link_capacity(src.worker_id, dst.worker_id, capacity)
+
+    def _on_scrape(self, worker_id: str, load: WorkerLoad | None, healthy: bool) -> None:
+        self.pool.on_scrape(worker_id, load, healthy)
+        self.metrics.worker_update(worker_id, load, healthy)
+        state = self.pool.get(worker_id)
+        if load is not None and state is not None and self.state is not None:
+            self.state.publish_worker(
+                WorkerRecord(
+                    worker_id=worker_id, role=state.spec.role, url=state.spec.url,
+                    running=load.running, waiting=load.waiting, kv_usage=load.kv_usage,
+                    scraped_at=load.scraped_at, scraped_by=self.state.config.replica_id,
+                )
+            )  # fmt: skip
+
+    def _mark_failed(self, worker_id: str) -> None:
+        if self.scraper is not None:
+            self.scraper.mark_failed_now(worker_id)
+
+    def _on_upstream_error(self, worker_id: str, kind: str) -> None:
+        self.metrics.upstream_error(worker_id, kind)
+
+    def _on_degraded(self, degraded: bool) -> None:
+        self.metrics.set_degraded(degraded)
+
+    async def _refresh_models(self) -> None:
+        async def fetch(worker_id: str, url: str) -> None:
+            try:
+                async with self.pool.session.get(
+                    url + "/v1/models", timeout=aiohttp.ClientTimeout(total=2)
+                ) as response:
+                    if response.status != 200:
+                        return
+                    data = msgspec.json.decode(await response.read())
+            except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError):
+                return
+            models = [m for m in data.get("data", []) if isinstance(m, dict) and "id" in m]
+            self.pool.workers[worker_id].models = tuple(str(m["id"]) for m in models)
+            for model in models:
+                self._models.setdefault(str(model["id"]), model)
+
+        await asyncio.gather(
+            *(
+                fetch(worker_id, state.spec.base_url)
+                for worker_id, state in self.pool.workers.items()
+            )
+        )
+
+    async def _models_loop(self) -> None:
+        while True:
+            await asyncio.sleep(_MODELS_REFRESH_S)
+            await self._refresh_models()
+
+    # -- endpoints --------------------------------------------------------------------------
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self.pipeline.handle(request, chat=True)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.pipeline.handle(request, chat=False)
+
+    async def _list_models(self, request: web.Request) -> web.Response:
+        names = self.pool.model_names()
+        data = [self._models[name] for name in names if name in self._models]
+        return web.Response(body=_encode({"object": "list", "data": data}),
+                            content_type="application/json")  # fmt: skip
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def _ready(self, request: web.Request) -> web.Response:
+        assert self.state is not None
+        redis_ok = await self.state.ping()
+        healthy = self.pool.healthy_count()
+        body = {"redis": redis_ok, "healthy_workers": healthy, "degraded": self.state.degraded}
+        return web.json_response(body, status=200 if redis_ok and healthy > 0 else 503)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        if self.state is not None:
+            for (src, dst), link in self.state.link_views().items():
+                self.metrics.set_link(src, dst, link.handoff_bytes, link.migration_bytes)
+        return web.Response(body=self.metrics.render(),
+                            headers={"Content-Type": self.metrics.content_type})  # fmt: skip
+
+
+@web.middleware
+async def _openai_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Every error the framework raises (404, 405, 413) in the OpenAI shape."""
+    try:
+        response: web.StreamResponse = await handler(request)
+        return response
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        message = {404: f"{request.path} not found", 405: f"method {request.method} not allowed",
+                   413: "request body too large"}.get(exc.status, exc.reason)  # fmt: skip
+        return error_response(exc.status, message)

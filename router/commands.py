@@ -1,0 +1,67 @@
+"""`session-router serve`: the router in front of real or simulated workers."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from typing import Any
+
+from router.config import ConfigError, RouterConfig, add_serve_options, load_config
+
+
+async def serve(config: RouterConfig, announce: bool = True) -> None:
+    """Run one router replica until SIGINT or SIGTERM; turns in flight finish first."""
+    from aiohttp import web
+
+    from router.app import Router
+
+    router = Router(config)
+    runner = web.AppRunner(
+        router.app, handler_cancellation=True, access_log=None, shutdown_timeout=10.0
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port, backlog=2048, reuse_address=True)
+    await site.start()
+    if announce:
+        workers = ", ".join(f"{w.worker_id} ({w.role})" for w in config.workers)
+        print(
+            f"session-router listening on http://{config.host}:{config.port} "
+            f"policy={config.policy.name} redis={config.redis} workers: {workers}",
+            flush=True,
+        )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    import uvloop
+
+    try:
+        config = load_config(args)
+    except (ConfigError, ValueError) as exc:
+        raise SystemExit(f"session-router serve: {exc}") from exc
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        uvloop.run(serve(config))
+    except ValueError as exc:  # e.g. a policy parameter typo found at start-up
+        raise SystemExit(f"session-router serve: {exc}") from exc
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "serve", help="run the router (OpenAI-compatible endpoint in front of workers)",
+        description="Session-aware router in front of vLLM / SGLang prefill and decode workers.",
+    )  # fmt: skip
+    add_serve_options(parser)
+    parser.set_defaults(run=_run_serve)

@@ -1,0 +1,186 @@
+"""The router's configuration: command line over SESSION_ROUTER_* environment over TOML file.
+
+Every option can come from any of the three sources. Worker lists from the command line
+(`--prefill/--decode/--mixed URL`) replace the TOML `[[workers]]` table rather than merge with it,
+so a command line always says exactly which workers are used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tomllib
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import msgspec
+
+from policies.types import Role
+
+Engine = Literal["vllm", "sglang"]
+FirstToken = Literal["decode", "prefill"]
+ENV_PREFIX = "SESSION_ROUTER_"
+
+
+class ConfigError(ValueError):
+    """A configuration problem, worded for the person starting the router."""
+
+
+class WorkerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    url: str
+    role: Role = "mixed"
+    engine: Engine = "vllm"
+    node: str = ""
+    nic_gbps: float = 400.0
+    id: str = ""
+    bootstrap_port: int | None = None  # SGLang's disaggregation bootstrap port
+
+    @property
+    def worker_id(self) -> str:
+        """Stable across router replicas: the configured id, else host:port of the URL."""
+        return self.id or urlsplit(self.url).netloc
+
+    @property
+    def base_url(self) -> str:
+        return self.url.rstrip("/")
+
+
+class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    name: str = "colocate"
+    params: dict[str, Any] = {}
+
+
+class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    host: str = "127.0.0.1"
+    port: int = 8000
+    workers: tuple[WorkerSpec, ...] = ()
+    policy: PolicyConfig = PolicyConfig()
+    redis: str = "embedded"
+    redis_prefix: str = "sr"
+    first_token: FirstToken = "decode"
+    admin_token: str | None = None
+    api_key: str | None = None
+    forward_auth: bool = False
+    max_body_bytes: int = 32 * 1024 * 1024
+    scrape_interval_ms: int = 250
+    events: str | None = None
+    slo_ttft_ms: float | None = None  # default: 1000 ms + 0.2 ms per prompt token
+    slo_itl_ms: float = 100.0
+    connect_timeout_s: float = 2.0
+    request_timeout_s: float = 600.0
+    session_ttl_s: float = 3600.0
+    kv_bytes_per_token: int = 131072  # llama-3.1-8b bf16; set for your model
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not self.workers:
+            raise ConfigError("no workers: give --prefill/--decode/--mixed URL or [[workers]]")
+        ids = [worker.worker_id for worker in self.workers]
+        if len(set(ids)) != len(ids):
+            raise ConfigError(f"duplicate workers: {sorted(ids)}")
+        for worker in self.workers:
+            parts = urlsplit(worker.url)
+            if parts.scheme not in ("http", "https") or not parts.netloc:
+                raise ConfigError(f"worker URL must be http(s)://host:port, got {worker.url!r}")
+        if self.max_body_bytes <= 0 or self.scrape_interval_ms <= 0:
+            raise ConfigError("max_body_bytes and scrape_interval_ms must be positive")
+
+
+# option name -> converter for values read from the environment or the command line
+_SCALARS: Mapping[str, type] = {
+    "host": str, "port": int, "redis": str, "redis_prefix": str, "first_token": str,
+    "admin_token": str, "api_key": str, "forward_auth": bool, "max_body_bytes": int,
+    "scrape_interval_ms": int, "events": str, "slo_ttft_ms": float, "slo_itl_ms": float,
+    "connect_timeout_s": float, "request_timeout_s": float, "session_ttl_s": float,
+    "kv_bytes_per_token": int, "log_level": str,
+}  # fmt: skip
+
+
+def add_serve_options(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--config", help="TOML file ([[workers]], [policy], and any option below)")
+    add("--host", help="listen address (default 127.0.0.1)")
+    add("--port", type=int, help="listen port (default 8000)")
+    for role in ("prefill", "decode", "mixed"):
+        add(f"--{role}", action="append", default=None, metavar="URL",
+            help=f"a {role} worker (repeatable)")  # fmt: skip
+    add("--engine", choices=["vllm", "sglang"], help="engine of the command-line workers")
+    add("--policy", help="placement policy name, entry point or module:attr")
+    add("--policy-param", action="append", default=None, metavar="KEY=VALUE")
+    add("--redis", help="embedded | redis://... | rediss://... | unix://... (default embedded)")
+    add("--redis-prefix", help="key prefix in Redis (default sr)")
+    add("--first-token", choices=["decode", "prefill"], help="first-token convention")
+    add("--admin-token", help="enables /admin with this bearer token")
+    add("--api-key", help="clients must present this bearer token")
+    add("--forward-auth", action="store_true", default=None,
+        help="forward the client's Authorization header to workers")  # fmt: skip
+    add("--max-body-bytes", type=int)
+    add("--scrape-interval-ms", type=int)
+    add("--events", metavar="FILE", help="append every turn's stage events as JSON lines")
+    add("--slo-ttft-ms", type=float)
+    add("--slo-itl-ms", type=float)
+    add("--kv-bytes-per-token", type=int)
+    add("--log-level", choices=["debug", "info", "warning", "error"])
+
+
+def _convert(name: str, raw: str) -> Any:
+    kind = _SCALARS[name]
+    if kind is bool:
+        return raw.strip().lower() in ("1", "true", "yes", "on")
+    return kind(raw)
+
+
+def load_config(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> RouterConfig:
+    environ = os.environ if environ is None else environ
+    merged: dict[str, Any] = {}
+    config_path = args.config or environ.get(ENV_PREFIX + "CONFIG")
+    if config_path:
+        try:
+            with open(config_path, "rb") as file:
+                merged.update(tomllib.load(file))
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read {config_path}: {exc}") from exc
+    for name in _SCALARS:
+        raw = environ.get(ENV_PREFIX + name.upper())
+        if raw is not None:
+            merged[name] = _convert(name, raw)
+    for name in _SCALARS:
+        value = getattr(args, name, None)
+        if value is not None:
+            merged[name] = value
+    workers = _command_line_workers(args, environ)
+    if workers:
+        merged["workers"] = workers
+    policy = dict(merged.get("policy", {}))
+    policy_name = args.policy or environ.get(ENV_PREFIX + "POLICY")
+    if policy_name:
+        policy["name"] = policy_name
+    if args.policy_param:
+        params = dict(policy.get("params", {}))
+        for assignment in args.policy_param:
+            key, sep, value = assignment.partition("=")
+            if not sep or not key:
+                raise ConfigError(f"--policy-param needs KEY=VALUE, got {assignment!r}")
+            params[key.strip()] = value.strip()
+        policy["params"] = params
+    if policy:
+        merged["policy"] = policy
+    try:
+        return msgspec.convert(merged, RouterConfig, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"invalid configuration: {exc}") from exc
+
+
+def _command_line_workers(
+    args: argparse.Namespace, environ: Mapping[str, str]
+) -> list[dict[str, Any]]:
+    engine = args.engine or environ.get(ENV_PREFIX + "ENGINE") or "vllm"
+    workers: list[dict[str, Any]] = []
+    for role in ("prefill", "decode", "mixed"):
+        urls: Sequence[str] = getattr(args, role) or []
+        if not urls:
+            env_urls = environ.get(ENV_PREFIX + role.upper())
+            urls = [u for u in (env_urls or "").split(",") if u.strip()]
+        workers.extend({"url": url.strip(), "role": role, "engine": engine} for url in urls)
+    return workers

@@ -1,0 +1,311 @@
+"""A turn's path: admission -> session -> snapshot -> decide -> execute -> commit.
+
+Nothing here awaits Redis for a session this replica already knows; commits, releases and
+in-flight counts go out in the state layer's pipelined batches after the client is answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from policies.base import Policy
+from policies.types import (
+    ClusterView,
+    Decision,
+    Handoff,
+    Migrate,
+    Objectives,
+    Prediction,
+    Residency,
+    Turn,
+    action_of,
+)
+from router.config import RouterConfig
+from router.errors import RouterError
+from router.events import EventLog, StageClock, StageEvents
+from router.execute import Executor, TurnContext, WorkerUnreachable
+from router.metrics import RouterMetrics
+from router.state import UNKNOWN, SessionRecord, SharedState
+from router.turn_fields import TokenEstimator, decode_routing_fields, session_identity, text_size
+from router.workers import WorkerPool
+
+log = logging.getLogger("router.proxy")
+
+# hop-by-hop headers (RFC 9110 7.6.1) and those aiohttp sets itself are never forwarded
+_FORWARDED = ("x-request-id",)
+
+
+class PolicyHolder:
+    """The live policy; swapped atomically at run time (turns in flight keep theirs)."""
+
+    def __init__(self, name: str, policy: Policy) -> None:
+        self.name = name
+        self.policy = policy
+
+
+class TurnPipeline:
+    def __init__(
+        self,
+        config: RouterConfig,
+        pool: WorkerPool,
+        state: SharedState,
+        policy: PolicyHolder,
+        metrics: RouterMetrics,
+        events: EventLog,
+        executor: Executor,
+        clock: StageClock,
+        mark_failed: Callable[[str], None],
+    ) -> None:
+        self._config = config
+        self._pool = pool
+        self._state = state
+        self._policy = policy
+        self._metrics = metrics
+        self._events = events
+        self._executor = executor
+        self._clock = clock
+        self._mark_failed = mark_failed
+        self.tokens = TokenEstimator()
+        self._background: set[asyncio.Future[Any]] = set()
+
+    async def handle(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        admitted = self._clock.now()
+        request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        events = StageEvents(request_id=request_id, session_id="", admitted=admitted,
+                             first_token_convention=self._config.first_token)  # fmt: skip
+        ctx: TurnContext | None = None
+        try:
+            ctx = await self._admit(request, chat, request_id, events)
+            response = await self._place_and_run(ctx)
+            events.http_status = response.status
+            if ctx.failed_midstream:
+                events.outcome = "error"
+            elif response.status == 200:
+                events.outcome = "completed"
+            else:
+                events.outcome = "error"
+            return response
+        except RouterError as exc:
+            events.outcome = "rejected" if exc.status == 429 else "error"
+            events.error = exc.message
+            events.http_status = exc.status
+            if exc.status == 429:
+                self._metrics.rejected("policy")
+            elif exc.status == 503:
+                self._metrics.rejected("no_worker")
+            headers = {"X-Request-Id": request_id}
+            if ctx is not None and ctx.response is not None and ctx.response.prepared:
+                return ctx.response
+            return exc.response(headers)
+        except (asyncio.CancelledError, ConnectionResetError):
+            events.outcome = "cancelled"
+            self._metrics.client_disconnect()
+            raise
+        finally:
+            events.done = self._clock.now()
+            self._finish(ctx, events)
+
+    async def _admit(
+        self, request: web.Request, chat: bool, request_id: str, events: StageEvents
+    ) -> TurnContext:
+        self._check_api_key(request)
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge as exc:
+            raise RouterError(
+                413, f"request body over {self._config.max_body_bytes} bytes"
+            ) from exc
+        fields = decode_routing_fields(raw, chat)
+        models = self._pool.model_names()
+        if fields.model is not None and models and fields.model not in models:
+            raise RouterError(404, f"The model `{fields.model}` does not exist.", "model")
+        session_id = session_identity(request.headers.get("X-Session-ID"), fields)
+        events.session_id = session_id
+        record = self._state.cached_session(session_id)
+        if record is UNKNOWN:
+            record = await self._state.load_session(session_id)
+        chars, exact = text_size(fields)
+        messages = len(fields.messages or ())
+        prompt_tokens = self.tokens.estimate(chars, exact, messages)
+        uncached = prompt_tokens
+        if record is not None:
+            uncached = max(1, prompt_tokens - record.tokens)
+        cap = fields.output_cap
+        turn = Turn(
+            session_id=session_id,
+            request_id=request_id,
+            prompt_tokens=prompt_tokens,
+            uncached_tokens=uncached,
+            max_tokens=cap if cap is not None else 256,
+            objectives=self._objectives(request, prompt_tokens),
+            arrival_s=time.monotonic(),
+        )
+        headers = {"X-Request-Id": request_id, "Content-Type": "application/json"}
+        if self._config.forward_auth and "Authorization" in request.headers:
+            headers["Authorization"] = request.headers["Authorization"]
+        return TurnContext(request=request, chat=chat, raw=raw, fields=fields,
+                           session_id=session_id, request_id=request_id, turn=turn,
+                           record=record, events=events, headers=headers)  # fmt: skip
+
+    def _check_api_key(self, request: web.Request) -> None:
+        if self._config.api_key is None:
+            return
+        if request.headers.get("Authorization") != f"Bearer {self._config.api_key}":
+            raise RouterError(401, "Incorrect API key provided.")
+
+    def _objectives(self, request: web.Request, prompt_tokens: int) -> Objectives:
+        ttft = self._config.slo_ttft_ms
+        if ttft is None:
+            ttft = 1000.0 + 0.2 * prompt_tokens
+        itl = self._config.slo_itl_ms
+        try:
+            if "X-SLO-TTFT-Ms" in request.headers:
+                ttft = float(request.headers["X-SLO-TTFT-Ms"])
+            if "X-SLO-ITL-Ms" in request.headers:
+                itl = float(request.headers["X-SLO-ITL-Ms"])
+        except ValueError as exc:
+            raise RouterError(400, f"objective headers must be numbers: {exc}") from exc
+        if ttft <= 0 or itl <= 0:
+            raise RouterError(400, "objective headers must be positive")
+        return Objectives(ttft_ms=ttft, itl_ms=itl)
+
+    def view(self, record: SessionRecord | None) -> ClusterView:
+        now = time.time()
+        links = tuple(state.to_view() for state in self._state.link_views().values())
+        residency: Residency | None = record.to_residency() if record is not None else None
+        return ClusterView(
+            now_s=now,
+            workers=self._pool.views(self._state.fleet_inflight(), now),
+            links=links,
+            residency=residency,
+            kv_bytes_per_token=self._config.kv_bytes_per_token,
+        )
+
+    def _decide(self, ctx: TurnContext) -> Decision:
+        holder = self._policy
+        view = self.view(ctx.record)
+        started = time.perf_counter()
+        try:
+            decision = holder.policy.decide(ctx.turn, view)
+        except Exception as exc:
+            log.exception("policy %s failed on request %s", holder.name, ctx.request_id)
+            raise RouterError(500, f"placement policy {holder.name!r} failed: {exc}") from exc
+        elapsed = time.perf_counter() - started
+        action = action_of(decision)
+        self._metrics.decision(holder.name, action, elapsed)
+        events = ctx.events
+        events.decided = self._clock.now()
+        events.policy = holder.name
+        events.action = action
+        events.predicted = decision.predicted
+        if isinstance(decision, Handoff):
+            events.prefill_worker, events.decode_worker = (decision.prefill_worker,
+                                                           decision.decode_worker)  # fmt: skip
+        elif isinstance(decision, Migrate):
+            events.prefill_worker, events.decode_worker = decision.source, decision.destination
+        elif hasattr(decision, "worker"):
+            events.decode_worker = decision.worker
+        if action == "recompute" and ctx.record is not None:
+            events.recomputed_tokens = ctx.record.tokens
+        return decision
+
+    async def _place_and_run(self, ctx: TurnContext) -> web.StreamResponse:
+        if self._pool.healthy_count() == 0:
+            raise RouterError(503, "no healthy worker is available", retry_after_s=1.0)
+        for attempt in range(2):
+            decision = self._decide(ctx)
+            try:
+                return await self._executor.execute(ctx, decision)
+            except WorkerUnreachable as exc:
+                self._mark_failed(exc.worker_id)
+                self._metrics.retry("connect")
+                ctx.events.retried = True
+                if attempt == 1 or self._pool.healthy_count() == 0:
+                    raise RouterError(
+                        503, f"no worker reachable: {exc}", retry_after_s=1.0
+                    ) from exc
+        raise AssertionError("unreachable")
+
+    def _finish(self, ctx: TurnContext | None, events: StageEvents) -> None:
+        """Commit residency, learn, count and log: all in memory or queued, never awaited."""
+        action = events.action or "none"
+        outcome = events.outcome or "error"
+        self._metrics.request_done(action, outcome)
+        if ctx is not None:
+            self._commit(ctx, events)
+        if events.recomputed_tokens:
+            self._metrics.recomputed(events.recomputed_tokens)
+        if events.transferred_bytes:
+            self._metrics.transferred(events.transferred_bytes)
+        if (
+            events.first_token is not None
+            and events.admitted is not None
+            and outcome == "completed"
+        ):
+            self._metrics.ttft(events.first_token - events.admitted)
+            if events.transfer_start is not None and events.prefill_start is not None:
+                self._metrics.handoff(events.first_token - events.prefill_start)
+        if outcome == "completed" and events.predicted is not None:
+            events.realised = self._realised(events)
+            self._metrics.estimate_error(events.predicted, events.realised)
+        if events.action is not None:
+            try:
+                self._policy.policy.observe(events.to_outcome())
+            except Exception:
+                log.exception("policy %s failed to observe", self._policy.name)
+        self._events.record(events)
+
+    @staticmethod
+    def _realised(events: StageEvents) -> Prediction:
+        """The measured counterparts of the predicted terms the router can observe itself."""
+
+        def ms(start: float | None, end: float | None) -> float:
+            return 0.0 if start is None or end is None else max(0.0, end - start) * 1000
+
+        return Prediction(
+            exposed_transfer_ms=ms(events.transfer_start, events.transfer_end),
+            ttft_ms=ms(events.admitted, events.first_token),
+        )
+
+    def _commit(self, ctx: TurnContext, events: StageEvents) -> None:
+        usage = ctx.usage
+        if usage is not None:
+            events.prompt_tokens = usage.prompt_tokens
+            events.cached_tokens = usage.cached_tokens
+            events.completion_tokens = usage.completion_tokens
+            chars, exact = text_size(ctx.fields)
+            if exact is None:
+                self.tokens.observe(chars, len(ctx.fields.messages or ()), usage.prompt_tokens)
+        expected = ctx.record.epoch if ctx.record is not None else 0
+        if ctx.failed_midstream:
+            if ctx.record is not None:
+                self._track(self._state.clear_session(ctx.session_id, expected))
+            return
+        if events.outcome != "completed" or usage is None or ctx.served_by is None:
+            return
+        tokens = usage.prompt_tokens + usage.completion_tokens
+        self._track(
+            self._state.commit_session(
+                ctx.session_id, ctx.served_by, tokens,
+                tokens * self._config.kv_bytes_per_token, expected,
+            )
+        )  # fmt: skip
+
+    def _track(self, future: asyncio.Future[Any]) -> None:
+        # Commits are fire and forget; keep a reference so the result is not garbage collected
+        # and a conflict (another replica won the CAS) is only logged.
+        task = asyncio.ensure_future(future)
+        self._background.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Future[Any]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("session commit failed: %s", task.exception())

@@ -1,0 +1,132 @@
+"""Relay a worker's response to the client as bytes, reading only what the router must.
+
+Server-sent-event frames are forwarded as soon as they are complete. The router looks inside
+a frame only to spot the usage chunk (whose exact token counts it keeps, and drops when the
+client did not ask for usage), the end marker, and, once, the first content frame.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from router.errors import stream_error_frames
+
+_SEP = b"\n\n"
+_DONE = b"data: [DONE]"
+_ERROR = b'data: {"error"'
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    prompt_tokens_details: dict[str, int | None] | None = None
+
+    @property
+    def cached_tokens(self) -> int:
+        details = self.prompt_tokens_details or {}
+        return int(details.get("cached_tokens") or 0)
+
+
+class _UsageCarrier(msgspec.Struct):
+    usage: Usage | None = None
+
+
+_decode_usage = msgspec.json.Decoder(_UsageCarrier).decode
+
+
+def usage_of(payload: bytes) -> Usage | None:
+    try:
+        return _decode_usage(payload).usage
+    except msgspec.DecodeError:
+        return None
+
+
+def _is_usage_frame(frame: bytes) -> bool:
+    return b'"choices":[]' in frame or b'"choices": []' in frame
+
+
+def _is_role_frame(frame: bytes) -> bool:
+    return b'"role":"assistant"' in frame and b'"content":""' in frame
+
+
+@dataclass(slots=True)
+class RelayResult:
+    first_token_at: float | None = None  # monotonic
+    last_token_at: float | None = None
+    frames: int = 0
+    usage: Usage | None = None
+    completed: bool = False  # the worker ended the stream with [DONE]
+    error: str | None = None  # set when the stream failed mid-way
+
+
+class StreamRelay:
+    """Copies one upstream SSE stream to an already prepared client response."""
+
+    def __init__(
+        self, downstream: web.StreamResponse, forward_usage: bool, drop_first_content: bool = False
+    ) -> None:
+        self._downstream = downstream
+        self._forward_usage = forward_usage
+        self._drop_first_content = drop_first_content
+        # with the prefill leg's token already sent, its role frame was sent too
+        self._drop_role = drop_first_content
+        self.result = RelayResult()
+
+    async def run(self, upstream: aiohttp.ClientResponse) -> RelayResult:
+        result = self.result
+        pending = b""
+        try:
+            async for data in upstream.content.iter_any():
+                pending += data
+                if _SEP not in pending:
+                    continue
+                *frames, pending = pending.split(_SEP)
+                out = self._filter(frames)
+                if out:
+                    await self._downstream.write(out)
+        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError,
+                aiohttp.ClientOSError, TimeoutError) as exc:  # fmt: skip
+            result.error = f"worker stream failed: {type(exc).__name__}"
+        if not result.completed and result.error is None:
+            result.error = "worker closed the stream before it finished"
+        if result.error is not None and not result.completed:
+            await self._downstream.write(stream_error_frames(502, result.error))
+        return result
+
+    def _filter(self, frames: list[bytes]) -> bytes:
+        result = self.result
+        out: list[bytes] = []
+        for frame in frames:
+            if not frame:
+                continue
+            if frame.startswith(_DONE):
+                result.completed = True
+                out.append(frame + _SEP)
+                continue
+            if frame.startswith(_ERROR):
+                result.error = "worker reported an error mid-stream"
+            elif _is_usage_frame(frame):
+                result.usage = usage_of(frame[frame.find(b"{") :]) or result.usage
+                if not self._forward_usage:
+                    continue
+            elif _is_role_frame(frame):
+                if self._drop_role:
+                    continue
+            else:
+                now = time.monotonic()
+                if result.first_token_at is None:
+                    result.first_token_at = now
+                    if self._drop_first_content:
+                        # The prefill leg's token was already sent: skip the decode leg's copy.
+                        self._drop_first_content = False
+                        result.frames += 1
+                        continue
+                result.last_token_at = now
+                result.frames += 1
+            out.append(frame + _SEP)
+        return b"".join(out)

@@ -1,0 +1,189 @@
+"""The router in front of a real sim cluster, with a real Redis, driven by real clients."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import aiohttp
+import openai
+
+from tests.e2e.conftest import SimCluster, StartRouter, start_sim_cluster, workers_args
+from tests.e2e.helpers import admin_get, chat, metric_sum
+
+SYSTEM = {"role": "system", "content": " ".join(f"rule{i}" for i in range(200))}
+
+
+def worker_id(url: str) -> str:
+    return url.split("://", 1)[1]
+
+
+def test_openai_client_streams_chat_through_the_router(
+    sim4: SimCluster, start_router: StartRouter
+) -> None:
+    router = start_router(*workers_args(sim4.urls[:2]), "--policy", "colocate")
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused")
+    stream = client.chat.completions.create(
+        model="llama-3.1-8b",
+        messages=[{"role": "user", "content": "hello there router"}],
+        max_tokens=10,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    text, usage = "", None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+    assert len(text.split()) == 10
+    assert usage is not None and usage.completion_tokens == 10
+    assert [m.id for m in client.models.list().data] == ["llama-3.1-8b"]
+    client.close()
+
+
+async def test_colocate_keeps_a_session_on_its_worker_with_cache_hits(
+    sim4: SimCluster, start_router: StartRouter
+) -> None:
+    router = start_router(*workers_args(sim4.urls[:2]), "--policy", "colocate")
+    session_id = f"s-{uuid.uuid4().hex}"
+    messages = [SYSTEM, {"role": "user", "content": "first question " * 20}]
+    async with aiohttp.ClientSession() as http:
+        answer, usage1, _ = await chat(http, router.url, messages, session_id=session_id)
+        status, record = await admin_get(http, router.url, router.admin_token,
+                                         f"/admin/sessions/{session_id}")  # fmt: skip
+        assert status == 200
+        owner = record["worker_id"]
+        assert record["tokens"] == usage1["prompt_tokens"] + usage1["completion_tokens"]
+        messages += [{"role": "assistant", "content": answer},
+                     {"role": "user", "content": "second question " * 10}]  # fmt: skip
+        _, usage2, _ = await chat(http, router.url, messages, session_id=session_id)
+        assert usage2["prompt_tokens_details"]["cached_tokens"] >= usage1["prompt_tokens"] - 16
+        _, record2 = await admin_get(http, router.url, router.admin_token,
+                                     f"/admin/sessions/{session_id}")  # fmt: skip
+        assert record2["worker_id"] == owner
+        assert record2["turns"] == 2
+
+
+async def test_disaggregate_prefills_remotely_and_decode_worker_pulls(
+    sim4: SimCluster, start_router: StartRouter
+) -> None:
+    prefill, decode = sim4.urls[2], sim4.urls[3]
+    router = start_router("--prefill", prefill, "--decode", decode, "--policy", "disaggregate")
+    prompt_words = 800
+    messages = [{"role": "user", "content": " ".join(f"pd{i}" for i in range(prompt_words))}]
+    async with aiohttp.ClientSession() as http:
+        before_p = await metric_sum(http, prefill, "vllm:generation_tokens_total")
+        before_d = await metric_sum(http, decode, "vllm:generation_tokens_total")
+        answer, usage, _ = await chat(http, router.url, messages, max_tokens=6)
+        after_p = await metric_sum(http, prefill, "vllm:generation_tokens_total")
+        after_d = await metric_sum(http, decode, "vllm:generation_tokens_total")
+        _status, decisions = await admin_get(http, router.url, router.admin_token,
+                                            "/admin/decisions?limit=1")  # fmt: skip
+    assert len(answer.split()) == 6 and usage["completion_tokens"] == 6
+    assert after_p - before_p == 1  # the prefill leg: one token, then the KV is held
+    assert after_d - before_d == 6
+    # the decode worker pulled the whole prompt's KV and computed only the last token itself
+    assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
+    event = decisions["decisions"][0]
+    assert event["action"] == "handoff"
+    assert event["prefill_worker"] == worker_id(prefill)
+    assert event["decode_worker"] == worker_id(decode)
+    assert event["transferred_bytes"] == usage["prompt_tokens"] * 131072
+    assert event["transfer_end"] > event["transfer_start"]
+
+
+async def test_scripted_migration_moves_the_session_and_the_next_turn_hits_the_cache(
+    sim4: SimCluster, start_router: StartRouter
+) -> None:
+    router = start_router(
+        *workers_args(sim4.urls[:2]),
+        "--policy", "tests.e2e.scripted_policies:MigrateOnSecondTurn",
+    )  # fmt: skip
+    session_id = f"m-{uuid.uuid4().hex}"
+    messages = [SYSTEM, {"role": "user", "content": "turn one " * 30}]
+    async with aiohttp.ClientSession() as http:
+        answer, _, _ = await chat(http, router.url, messages, session_id=session_id)
+        _, first = await admin_get(http, router.url, router.admin_token,
+                                   f"/admin/sessions/{session_id}")  # fmt: skip
+        messages += [{"role": "assistant", "content": answer},
+                     {"role": "user", "content": "turn two " * 30}]  # fmt: skip
+        answer, _, _ = await chat(http, router.url, messages, session_id=session_id)
+        _, second = await admin_get(http, router.url, router.admin_token,
+                                    f"/admin/sessions/{session_id}")  # fmt: skip
+        assert second["worker_id"] != first["worker_id"]
+        messages += [{"role": "assistant", "content": answer},
+                     {"role": "user", "content": "turn three"}]  # fmt: skip
+        _, usage3, _ = await chat(http, router.url, messages, session_id=session_id)
+        _, third = await admin_get(http, router.url, router.admin_token,
+                                   f"/admin/sessions/{session_id}")  # fmt: skip
+        _, decisions = await admin_get(http, router.url, router.admin_token,
+                                       "/admin/decisions?limit=3")  # fmt: skip
+    assert third["worker_id"] == second["worker_id"]
+    # everything up to the second answer is cached on the new worker
+    assert usage3["prompt_tokens_details"]["cached_tokens"] >= second["tokens"] - 16
+    actions = [event["action"] for event in reversed(decisions["decisions"])]
+    assert actions == ["colocate", "migrate", "colocate"]
+
+
+async def test_two_router_replicas_share_session_owners(
+    sim4: SimCluster, start_router: StartRouter
+) -> None:
+    args = [*workers_args(sim4.urls[:2]), "--policy", "colocate"]
+    first = start_router(*args)
+    second = start_router(*args, prefix=first.prefix)
+    session_id = f"r-{uuid.uuid4().hex}"
+    messages = [SYSTEM, {"role": "user", "content": "replicas " * 20}]
+    async with aiohttp.ClientSession() as http:
+        answer, _, _ = await chat(http, first.url, messages, session_id=session_id)
+        _, on_first = await admin_get(http, first.url, first.admin_token,
+                                      f"/admin/sessions/{session_id}")  # fmt: skip
+        for _ in range(50):
+            status, on_second = await admin_get(http, second.url, second.admin_token,
+                                                f"/admin/sessions/{session_id}")  # fmt: skip
+            if status == 200:
+                break
+            await asyncio.sleep(0.02)
+        assert on_second["worker_id"] == on_first["worker_id"]
+        messages += [{"role": "assistant", "content": answer},
+                     {"role": "user", "content": "again"}]  # fmt: skip
+        _, usage, _ = await chat(http, second.url, messages, session_id=session_id)
+        assert usage["prompt_tokens_details"]["cached_tokens"] > 0
+        # the second replica's commit reaches the first one's local view by invalidation
+        for _ in range(100):
+            _, after = await admin_get(http, first.url, first.admin_token,
+                                       f"/admin/sessions/{session_id}")  # fmt: skip
+            if after["epoch"] == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert after["worker_id"] == on_first["worker_id"] and after["epoch"] == 2
+        assert after["turns"] == 2
+
+
+async def test_replicas_see_each_others_in_flight_counts_and_link_reservations(
+    start_router: StartRouter,
+) -> None:
+    slow = start_sim_cluster(2, "--nic-gbps", "1")  # 1 Gb/s: an 800-token pull takes ~0.8 s
+    prefill, decode = slow.urls
+    args = ["--prefill", prefill, "--decode", decode, "--policy", "disaggregate"]
+    first = start_router(*args)
+    second = start_router(*args, prefix=first.prefix)
+    messages = [{"role": "user", "content": " ".join(f"w{i}" for i in range(800))}]
+    link = f'src="{worker_id(prefill)}"'
+    try:
+        async with aiohttp.ClientSession() as http:
+            turn = asyncio.ensure_future(chat(http, first.url, messages, max_tokens=4))
+            reserved = inflight = 0.0
+            for _ in range(100):
+                await asyncio.sleep(0.02)
+                reserved = await metric_sum(http, second.url, "router_link_reserved_bytes", link)
+                _, rows = await admin_get(http, second.url, second.admin_token, "/admin/workers")
+                inflight = max(row["fleet_inflight"] for row in rows["workers"])
+                if reserved > 0 and inflight > 0:
+                    break
+            _, usage, response = await turn
+    finally:
+        slow.process.stop()
+    assert response.status == 200 and usage["completion_tokens"] == 4
+    assert reserved >= 800 * 131072  # the first replica's handoff, seen by the second
+    assert inflight >= 1

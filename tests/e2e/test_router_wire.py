@@ -1,0 +1,124 @@
+"""What the router puts on the wire: headers, usage handling, SGLang legs, first-token modes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from tests.e2e.conftest import SimCluster, StartRouter
+from tests.e2e.helpers import admin_get, chat
+from tests.e2e.recording_worker import RecordingWorker
+
+MESSAGES = [{"role": "user", "content": "hello"}]
+
+
+@pytest.fixture
+async def recorder() -> AsyncIterator[RecordingWorker]:
+    worker = RecordingWorker()
+    await worker.start()
+    yield worker
+    await worker.stop()
+
+
+async def test_hop_by_hop_and_auth_headers_are_not_forwarded(
+    recorder: RecordingWorker, start_router: StartRouter
+) -> None:
+    router = await asyncio.to_thread(start_router, "--mixed", recorder.url)
+    headers = {"Authorization": "Bearer client-secret", "Connection": "keep-alive, X-Secret",
+               "Proxy-Authorization": "Basic abc", "TE": "trailers", "X-Secret": "1",
+               "X-Request-Id": "req-123"}  # fmt: skip
+    async with aiohttp.ClientSession() as http:
+        _, usage, response = await chat(http, router.url, MESSAGES, headers=headers)
+        assert response.status == 200, usage
+        assert response.headers["X-Request-Id"] == "req-123"
+    sent = set(recorder.received[-1].headers)
+    assert recorder.received[-1].headers["x-request-id"] == "req-123"
+    for header in ("authorization", "proxy-authorization", "te", "x-secret"):
+        assert header not in sent
+
+
+async def test_forward_auth_passes_the_client_authorization(
+    recorder: RecordingWorker, start_router: StartRouter
+) -> None:
+    router = await asyncio.to_thread(start_router, "--mixed", recorder.url, "--forward-auth")
+    async with aiohttp.ClientSession() as http:
+        await chat(http, router.url, MESSAGES, headers={"Authorization": "Bearer tok"})
+    assert recorder.received[-1].headers["authorization"] == "Bearer tok"
+
+
+async def test_usage_is_requested_upstream_and_dropped_when_the_client_did_not_ask(
+    recorder: RecordingWorker, start_router: StartRouter
+) -> None:
+    router = await asyncio.to_thread(start_router, "--mixed", recorder.url)
+    body = {"messages": MESSAGES, "stream": True, "max_tokens": 3}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(router.url + "/v1/chat/completions", json=body) as response:
+            frames = [line async for line in response.content if line.startswith(b"data: ")]
+    assert recorder.received[-1].body["stream_options"] == {"include_usage": True}
+    assert not any(b'"usage"' in frame for frame in frames)
+    assert frames[-1].strip() == b"data: [DONE]"
+
+
+async def test_sglang_handoff_sends_one_body_to_both_with_bootstrap_fields(
+    start_router: StartRouter, tmp_path: Path
+) -> None:
+    prefill, decode = RecordingWorker(), RecordingWorker()
+    await prefill.start()
+    await decode.start()
+    try:
+        config = tmp_path / "router.toml"
+        config.write_text(
+            'policy = { name = "disaggregate" }\n'
+            f'[[workers]]\nurl = "{prefill.url}"\nrole = "prefill"\nengine = "sglang"\n'
+            "bootstrap_port = 8998\n"
+            f'[[workers]]\nurl = "{decode.url}"\nrole = "decode"\nengine = "sglang"\n'
+        )
+        router = await asyncio.to_thread(start_router, "--config", str(config))
+        async with aiohttp.ClientSession() as http:
+            text, _usage, response = await chat(http, router.url, MESSAGES)
+    finally:
+        await prefill.stop()
+        await decode.stop()
+    assert response.status == 200 and text == " t0 t1 t2"
+    p, d = prefill.received[-1].body, decode.received[-1].body
+    assert p == d
+    assert p["bootstrap_host"] == "127.0.0.1" and p["bootstrap_port"] == 8998
+    assert 0 <= p["bootstrap_room"] < 2**63
+    assert p["stream"] is True and "kv_transfer_params" not in p
+
+
+async def test_first_token_prefill_streams_the_prefill_token_once(
+    sim4: SimCluster, start_router: StartRouter
+) -> None:
+    prefill, decode = sim4.urls[2], sim4.urls[3]
+    router = start_router("--prefill", prefill, "--decode", decode, "--policy", "disaggregate",
+                          "--first-token", "prefill")  # fmt: skip
+    async with aiohttp.ClientSession() as http:
+        text, usage, response = await chat(http, router.url, MESSAGES, max_tokens=6)
+        _, decisions = await admin_get(http, router.url, router.admin_token,
+                                       "/admin/decisions?limit=1")  # fmt: skip
+    assert response.status == 200
+    assert len(text.split()) == 6  # the prefill token plus five from the decode leg, no duplicate
+    assert usage["completion_tokens"] == 6
+    event = decisions["decisions"][0]
+    assert event["first_token_convention"] == "prefill"
+    assert event["first_token"] <= event["transfer_end"]
+
+
+async def test_events_file_gets_one_line_per_turn(
+    sim4: SimCluster, start_router: StartRouter, tmp_path: Path
+) -> None:
+    events = tmp_path / "events.jsonl"
+    router = start_router("--mixed", sim4.urls[0], "--events", str(events))
+    async with aiohttp.ClientSession() as http:
+        for i in range(3):
+            await chat(http, router.url, MESSAGES, session_id=f"ev-{i}")
+    router.process.stop()
+    rows = [json.loads(line) for line in events.read_text().splitlines()]
+    assert [row["session_id"] for row in rows] == ["ev-0", "ev-1", "ev-2"]
+    assert all(row["outcome"] == "completed" and row["completion_tokens"] == 8 for row in rows)
