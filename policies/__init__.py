@@ -3,6 +3,7 @@
 Imports nothing of the project outside this package and no I/O library (msgspec only).
 """
 
+from policies.adaptive import AdaptiveParams, AdaptivePolicy
 from policies.base import Policy
 from policies.params import NoParams, PolicyConfigError
 from policies.registry import (
@@ -36,6 +37,8 @@ __all__ = [
     "BUILTIN_POLICIES",
     "ENTRY_POINT_GROUP",
     "Action",
+    "AdaptiveParams",
+    "AdaptivePolicy",
     "ClusterView",
     "Colocate",
     "Decision",

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import msgspec
 
+from policies.adaptive import AdaptivePolicy
 from policies.base import Policy
 from policies.colocate import ColocatePolicy
 from policies.disaggregate import DisaggregatePolicy
@@ -34,6 +35,7 @@ BUILTIN_POLICIES: Mapping[str, type] = {
     "colocate": ColocatePolicy,
     "disaggregate": DisaggregatePolicy,
     "threshold": ThresholdPolicy,
+    "adaptive": AdaptivePolicy,
 }
 
 # msgspec reports a field's type error as "Expected `int`, got `str` - at `$.threshold`".

@@ -184,6 +184,9 @@ class Outcome(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     Times are in ms and are None for stages the turn did not go through (no transfer on a
     colocated turn). `ok` is False when the turn failed after placement.
+    `worker_running_at_start` is the number of decode streams running on the turn's decode
+    worker when it was placed (the batch it decoded beside); `worker_waiting_at_start` the
+    queue ahead of it on its prefill worker (the decode worker for a colocated turn).
     """
 
     request_id: str

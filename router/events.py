@@ -82,6 +82,9 @@ class StageEvents(msgspec.Struct):
     error: str | None = None
     http_status: int | None = None
     retried: bool = False
+    # the decode worker's running streams and the prefill worker's queue when placed
+    worker_running_at_start: int = 0
+    worker_waiting_at_start: int = 0
     first_token_convention: FirstTokenConvention = "decode"
     realised: Prediction | None = None
 
@@ -106,6 +109,8 @@ class StageEvents(msgspec.Struct):
             transfer_bytes=self.transferred_bytes,
             ttft_ms=_ms(self.admitted, self.first_token),
             decode_ms=_ms(self.first_token, self.last_token),
+            worker_running_at_start=self.worker_running_at_start,
+            worker_waiting_at_start=self.worker_waiting_at_start,
             predicted=self.predicted if self.predicted is not None else Prediction(),
         )
 

@@ -212,6 +212,10 @@ class TurnPipeline:
             events.prefill_worker, events.decode_worker = decision.source, decision.destination
         elif hasattr(decision, "worker"):
             events.decode_worker = decision.worker
+        decode_view = view.worker(events.decode_worker or "")
+        prefill_view = view.worker(events.prefill_worker or events.decode_worker or "")
+        events.worker_running_at_start = decode_view.running if decode_view else 0
+        events.worker_waiting_at_start = prefill_view.waiting if prefill_view else 0
         if action == "recompute" and ctx.record is not None:
             events.recomputed_tokens = ctx.record.tokens
         return decision

@@ -209,7 +209,7 @@ class StateSync:
             log.warning("undecodable session invalidation ignored")
             return
         if message.replica != self._config.replica_id:
-            self._sessions.apply_if_cached(message.session_id, message.epoch, message.record())
+            self._sessions.apply_invalidation(message.session_id, message.epoch, message.record())
 
     async def _refresh_loop(self) -> None:
         while not self._closing:

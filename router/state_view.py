@@ -111,10 +111,15 @@ class SessionView:
         ):
             self._store(session_id, SessionEntry(epoch, record, optimistic=False))
 
-    def apply_if_cached(self, session_id: str, epoch: int, record: SessionRecord | None) -> None:
-        """Apply an invalidation: only sessions this replica holds are worth keeping fresh."""
-        if session_id in self._entries:
-            self.apply(session_id, epoch, record)
+    def apply_invalidation(self, session_id: str, epoch: int, record: SessionRecord | None) -> None:
+        """Apply another replica's commit, cached or not.
+
+        Storing it even for a session this replica has not seen closes a race: a
+        `load_session` read answered just before that commit, on another connection than the
+        pub/sub one, would otherwise land after the invalidation and cache a stale answer
+        for good. `apply` keeps whichever of the two has the newer epoch. The LRU bound holds.
+        """
+        self.apply(session_id, epoch, record)
 
     def forget_except(self, keep: Collection[str]) -> None:
         """Drop every entry not in `keep` (after invalidations may have been missed)."""

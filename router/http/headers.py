@@ -1,11 +1,16 @@
-"""Case-insensitive HTTP header maps and the serialisation helpers shared by server and client."""
+"""HTTP/1.1 message heads for router.http: the received-header map, request targets, and the
+serialisation of status lines, response heads and request heads."""
 
 from __future__ import annotations
 
+import asyncio
+import socket
 from collections.abc import Iterator, Mapping
 from http import HTTPStatus
 from typing import TypeVar, overload
+from urllib.parse import parse_qsl, unquote
 
+import httptools
 import msgspec
 
 _T = TypeVar("_T")
@@ -18,9 +23,8 @@ class Headers(Mapping[str, str]):
 
     def __init__(self, fields: Mapping[str, str] | None = None) -> None:
         self._map: dict[str, str] = {}
-        if fields:
-            for name, value in fields.items():
-                self.add(name.lower(), value)
+        for name, value in (fields or {}).items():
+            self.add(name, value)
 
     @classmethod
     def from_raw(cls, raw: list[tuple[bytes, bytes]]) -> Headers:
@@ -35,7 +39,7 @@ class Headers(Mapping[str, str]):
         return headers
 
     def add(self, name: str, value: str) -> None:
-        """Append one field; `name` must already be lowercase."""
+        name = name.lower()
         previous = self._map.get(name)
         self._map[name] = value if previous is None else f"{previous}, {value}"
 
@@ -64,51 +68,124 @@ class Headers(Mapping[str, str]):
         return f"Headers({self._map!r})"
 
 
+class BadRequest(Exception):
+    """A request the server answers with `status` and closes the connection after."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def split_target(target: bytes) -> tuple[str, dict[str, str]]:
+    """The percent-decoded path and the query (last value wins) of a request target."""
+    if target.startswith(b"/"):
+        path_bytes, _, query_bytes = target.partition(b"?")
+        path_bytes = path_bytes.partition(b"#")[0]
+    elif target == b"*":  # OPTIONS *
+        return "*", {}
+    else:  # absolute-form
+        try:
+            url = httptools.parse_url(target)
+        except httptools.HttpParserInvalidURLError:
+            raise BadRequest(400, "invalid request target") from None
+        path_bytes, query_bytes = url.path or b"/", url.query or b""
+    path = path_bytes.decode("latin-1")
+    if "%" in path:
+        try:
+            path = unquote(path, errors="strict")
+        except UnicodeError:
+            raise BadRequest(400, "request path is not UTF-8") from None
+    if not query_bytes:
+        return path, {}
+    return path, dict(parse_qsl(query_bytes.decode("latin-1"), keep_blank_values=True))
+
+
 _REASONS: dict[int, bytes] = {status.value: status.phrase.encode() for status in HTTPStatus}
-_STATUS_LINES: dict[tuple[int, str], bytes] = {}
+_STATUS_LINES: dict[int, bytes] = {}
+# the transport frames every message itself, so callers' copies of these are dropped
+FRAMING_FIELDS = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive"})
+_BODILESS_STATUSES = frozenset({204, 304})
+
+
+def status_line(status: int) -> bytes:
+    """`HTTP/1.1 200 OK\\r\\n` (cached); HTTP/1.1 is the reply version for 1.0 clients too."""
+    line = _STATUS_LINES.get(status)
+    if line is None:
+        if not 100 <= status <= 999:
+            raise ValueError(f"invalid HTTP status {status}")
+        line = b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown"))
+        _STATUS_LINES[status] = line
+    return line
+
+
+def _field(name: str, value: str) -> str:
+    if "\r" in value or "\n" in value or "\r" in name or "\n" in name or ":" in name:
+        raise ValueError(f"invalid header field {name!r}")  # header injection
+    return f"{name}: {value}\r\n"
+
+
+def response_head(
+    status: int, headers: Mapping[str, str] | None, content_type: str | None, tail: bytes
+) -> bytes:
+    """Status line, `headers` (less framing fields), Content-Type unless `headers` has one,
+    then `tail`: the framing and Connection lines the server chose."""
+    lines = []
+    for name, value in (headers or {}).items():
+        lower = name.lower()
+        if lower in FRAMING_FIELDS:
+            continue
+        if lower == "content-type":
+            content_type = None  # the caller's own wins
+        lines.append(_field(name, value))
+    if content_type is not None:
+        lines.append(_field("Content-Type", content_type))
+    return status_line(status) + "".join(lines).encode("latin-1") + tail + b"\r\n"
+
+
+def request_head(
+    method: str, path: str, host: str, headers: Mapping[str, str], body_length: int
+) -> bytes:
+    """Request line and headers: Host unless given, Content-Length when there is a body or the
+    method carries one; framing fields in `headers` are dropped."""
+    if not path.startswith("/") or " " in path or "\r" in path or "\n" in path:
+        raise ValueError(f"invalid request path {path!r}")
+    lines = [f"{method} {path} HTTP/1.1\r\n"]
+    for name, value in headers.items():
+        lower = name.lower()
+        if lower in FRAMING_FIELDS:
+            continue
+        if lower == "host":
+            host = ""
+        lines.append(_field(name, value))
+    if host:
+        lines.append(f"Host: {host}\r\n")
+    if body_length or method in ("POST", "PUT", "PATCH"):
+        lines.append(f"Content-Length: {body_length}\r\n")
+    lines.append("\r\n")
+    return "".join(lines).encode("latin-1")
+
+
+def is_bodiless(status: int) -> bool:
+    return status < 200 or status in _BODILESS_STATUSES
+
+
 _ERROR_TYPES = {500: "internal_error"}
 _encode = msgspec.json.Encoder().encode
 
 
-def status_line(status: int, http_version: str = "1.1") -> bytes:
-    """`HTTP/1.1 200 OK\\r\\n`, cached per (status, version)."""
-    key = (status, http_version)
-    line = _STATUS_LINES.get(key)
-    if line is None:
-        if not 100 <= status <= 999:
-            raise ValueError(f"invalid HTTP status {status}")
-        reason = _REASONS.get(status, b"Unknown")
-        line = b"HTTP/%s %d %s\r\n" % (http_version.encode(), status, reason)
-        _STATUS_LINES[key] = line
-    return line
-
-
-# the transport frames every message itself, so callers' copies of these are dropped
-FRAMING_FIELDS = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive"})
-
-
-def encode_fields(headers: Mapping[str, str], skip: frozenset[str] = FRAMING_FIELDS) -> bytes:
-    """`Name: value\\r\\n` lines, leaving out `skip` (lowercase names); refuses CR/LF in names
-    or values (header injection)."""
-    lines = []
-    for name, value in headers.items():
-        if name.lower() in skip:
-            continue
-        if "\r" in value or "\n" in value or "\r" in name or "\n" in name or ":" in name:
-            raise ValueError(f"invalid header field {name!r}")
-        lines.append(f"{name}: {value}\r\n")
-    return "".join(lines).encode("latin-1")
-
-
 def error_body(status: int, message: str) -> bytes:
-    """An OpenAI-shaped error document for errors raised by the transport itself."""
-    return _encode(
-        {
-            "error": {
-                "message": message,
-                "type": _ERROR_TYPES.get(status, "invalid_request_error"),
-                "param": None,
-                "code": status,
-            }
-        }
-    )
+    """An OpenAI-shaped error document for errors the transport answers itself."""
+    error = {
+        "message": message,
+        "type": _ERROR_TYPES.get(status, "invalid_request_error"),
+        "param": None,
+        "code": status,
+    }
+    return _encode({"error": error})
+
+
+def set_nodelay(transport: asyncio.BaseTransport) -> None:
+    """Small writes (one SSE frame) must leave at once, not wait for Nagle's timer."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -1,99 +1,75 @@
 """A lean HTTP/1.1 server for the router's data path: asyncio.Protocol + httptools.
 
-Each connection serves one request at a time (pipelined requests wait in order). A request's
-body is read whole before its handler runs as a task; the handler answers with a `Response` or
+Each connection serves one request at a time; pipelined requests wait in order. A request's
+body is read whole before its handler runs as a task; the handler returns a `Response` or
 streams chunks through its `StreamWriter`. A client that disconnects while its handler runs gets
-that task cancelled at once, which is how the router abandons the upstream request.
+that task cancelled at once: this is how the router abandons the upstream request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
-from urllib.parse import parse_qsl, unquote
 
 import httptools
+import msgspec
 
-from router.http.headers import Headers, encode_fields, error_body, status_line
+from router.http.headers import (
+    BadRequest,
+    Headers,
+    error_body,
+    is_bodiless,
+    response_head,
+    set_nodelay,
+    split_target,
+)
 
 __all__ = ["Handler", "HttpServer", "Request", "Response", "StreamWriter"]
 
 _log = logging.getLogger(__name__)
 _MAX_HEAD_BYTES = 64 * 1024  # request line + headers; llhttp itself sets no limit
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-_NO_BODY_STATUSES = frozenset({204, 304})
+_CHUNKED = b"Transfer-Encoding: chunked\r\n"
+_CLOSE = b"Connection: close\r\n"
+_KEEP_ALIVE = b"Connection: keep-alive\r\n"
 
 
-class Request:
+class Request(msgspec.Struct, frozen=True):
     """One parsed request, body included."""
 
-    __slots__ = (
-        "body",
-        "headers",
-        "http_version",
-        "keep_alive",
-        "method",
-        "path",
-        "query",
-        "remote",
-    )
-
-    def __init__(
-        self,
-        method: str,
-        path: str,
-        query: dict[str, str],
-        headers: Headers,
-        body: bytes,
-        remote: str | None,
-        http_version: str,
-        keep_alive: bool = True,
-    ) -> None:
-        self.method = method
-        self.path = path
-        self.query = query
-        self.headers = headers
-        self.body = body
-        self.remote = remote
-        self.http_version = http_version
-        self.keep_alive = keep_alive  # what the client asked for (version + Connection header)
-
-    def __repr__(self) -> str:
-        return f"<Request {self.method} {self.path} HTTP/{self.http_version}>"
+    method: str
+    path: str  # percent-decoded, without the query
+    query: dict[str, str]
+    headers: Headers
+    body: bytes
+    remote: str | None
+    http_version: str  # "1.1" / "1.0"
+    keep_alive: bool = True  # what the client asked for (version and Connection header)
 
 
-class Response:
-    """An ordinary (non-streamed) reply; Content-Length is always sent."""
+class Response(msgspec.Struct, frozen=True):
+    """An ordinary (non-streamed) reply; sent with Content-Length."""
 
-    __slots__ = ("body", "content_type", "headers", "status")
-
-    def __init__(
-        self,
-        status: int = 200,
-        body: bytes = b"",
-        headers: Mapping[str, str] | None = None,
-        content_type: str | None = "application/json",
-    ) -> None:
-        self.status = status
-        self.body = body
-        self.headers = headers
-        self.content_type = content_type
+    status: int = 200
+    body: bytes = b""
+    headers: Mapping[str, str] | None = None
+    content_type: str | None = "application/json"
 
 
 class StreamWriter:
     """Streams one response as HTTP chunks (close-delimited for HTTP/1.0 clients)."""
 
-    __slots__ = ("_conn", "_request", "chunked", "ended", "started")
+    __slots__ = ("_conn", "_head_only", "chunked", "ended", "keep_alive", "started")
 
     def __init__(self, conn: _Connection, request: Request) -> None:
         self._conn = conn
-        self._request = request
+        self._head_only = request.method == "HEAD"
+        self.chunked = request.http_version != "1.0"
+        self.keep_alive = request.keep_alive and self.chunked
         self.started = False
         self.ended = False
-        self.chunked = request.http_version != "1.0"
 
     async def start(self, status: int, headers: Mapping[str, str]) -> None:
         if self.started:
@@ -101,26 +77,21 @@ class StreamWriter:
         conn = self._conn
         if conn.closed:
             raise ConnectionResetError("client disconnected")
+        self.keep_alive = self.keep_alive and not conn.shutting_down
+        tail = (_CHUNKED if self.chunked else b"") + (b"" if self.keep_alive else _CLOSE)
+        head = response_head(status, headers, None, tail)
         self.started = True
-        head = [status_line(status), encode_fields(headers)]
-        if self.chunked:
-            head.append(b"Transfer-Encoding: chunked\r\n")
-        if not (self.chunked and self._request.keep_alive) or conn.shutting_down:
-            head.append(b"Connection: close\r\n")
-        head.append(b"\r\n")
-        conn.transport.write(b"".join(head))
+        conn.transport.write(head)
         await conn.drain()
 
     async def write(self, data: bytes) -> None:
-        """Send one chunk; waits while the client reads slower than we write."""
-        if not data:
-            return  # an empty chunk would end the stream
+        """Send one chunk; waits while the client reads slower than the handler writes."""
         if not self.started or self.ended:
             raise RuntimeError("write() outside start() .. end()")
         conn = self._conn
         if conn.closed:
             raise ConnectionResetError("client disconnected")
-        if self._request.method != "HEAD":
+        if data and not self._head_only:  # an empty chunk would end the stream
             conn.transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
         if conn.write_paused:
             await conn.drain()
@@ -134,7 +105,7 @@ class StreamWriter:
         conn = self._conn
         if conn.closed:
             raise ConnectionResetError("client disconnected")
-        if self.chunked and self._request.method != "HEAD":
+        if self.chunked and not self._head_only:
             conn.transport.write(b"0\r\n\r\n")
         await conn.drain()
 
@@ -142,39 +113,11 @@ class StreamWriter:
 Handler = Callable[[Request, StreamWriter], Awaitable[Response | None]]
 
 
-class _ParseFailure(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-def _split_target(target: bytes) -> tuple[str, dict[str, str]]:
-    if not target.startswith(b"/"):  # absolute-form, or "*" for OPTIONS
-        if target == b"*":
-            return "*", {}
-        try:
-            url = httptools.parse_url(target)
-        except httptools.HttpParserInvalidURLError:
-            raise _ParseFailure(400, "invalid request target") from None
-        path_bytes, query_bytes = url.path or b"/", url.query or b""
-    else:
-        path_bytes, _, query_bytes = target.partition(b"?")
-        path_bytes = path_bytes.partition(b"#")[0]
-    path = path_bytes.decode("latin-1")
-    if "%" in path:
-        path = unquote(path, errors="strict")
-    if not query_bytes:
-        return path, {}
-    return path, dict(parse_qsl(query_bytes.decode("latin-1"), keep_blank_values=True))
-
-
 class _Connection(asyncio.Protocol):
     """One client connection: parses requests, runs one handler task at a time."""
 
     def __init__(self, server: HttpServer) -> None:
         self._server = server
-        self._handler = server.handler
-        self._max_body = server.max_body_bytes
         self._loop = asyncio.get_running_loop()
         self._parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport = None  # type: ignore[assignment]  # set at once
@@ -183,18 +126,14 @@ class _Connection(asyncio.Protocol):
         self._raw_headers: list[tuple[bytes, bytes]] = []
         self._headers = Headers()
         self._body: list[bytes] = []
-        self._body_size = 0
-        self._head_bytes = 0
-        self._in_message = False  # parser is inside a request (head or body)
-        self._in_body = False
-        self._queue: deque[Request] = deque()
+        self._body_size = self._head_bytes = 0
+        self._in_message = self._in_body = False  # where the parser is: in a request, its body
+        self._queue: deque[Request] = deque()  # parsed, waiting for the request in flight
         self.task: asyncio.Task[None] | None = None
-        self._failure: _ParseFailure | None = None  # answered once the requests ahead are done
+        self._failure: BadRequest | None = None  # answered once the requests ahead are done
         self._continue_pending = False
-        self.closed = False
-        self.shutting_down = False
-        self._reading_paused = False
-        self.write_paused = False
+        self.closed = self.shutting_down = False
+        self._reading_paused = self.write_paused = False
         self._drain_waiter: asyncio.Future[None] | None = None
         self._last_activity = self._loop.time()
         self._idle_timer: asyncio.TimerHandle | None = None
@@ -203,54 +142,45 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:
-                pass  # not TCP (e.g. a unix socket)
+        set_nodelay(transport)
         peer = transport.get_extra_info("peername")
         self._remote = peer[0] if isinstance(peer, tuple) else None
         self._server.connections.add(self)
         if self._server.closing:
             self.shutting_down = True
             transport.close()
-            return
-        self._arm_idle_timer()
+        else:
+            self._arm_idle_timer()
 
     def data_received(self, data: bytes) -> None:
         if self._failure is not None or self.closed:
-            return  # the connection is done for; the error goes out after the requests ahead
+            return  # done for: the error goes out after the requests ahead of it
         self._last_activity = self._loop.time()
         if not self._in_body:
             self._head_bytes += len(data)
         try:
-            self._feed(data)
+            while True:
+                try:
+                    self._parser.feed_data(data)
+                    break
+                except httptools.HttpParserUpgrade as upgrade:
+                    # Upgrade is not offered: the request was answered as plain HTTP/1.1 and
+                    # parsing goes on after it (it had no body, see on_headers_complete)
+                    data = data[upgrade.args[0] :]
+                    if not data:
+                        break
         except httptools.HttpParserCallbackError as exc:
             cause = exc.__context__
-            if not isinstance(cause, _ParseFailure):
-                cause = _ParseFailure(400, "malformed HTTP request")
+            if not isinstance(cause, BadRequest):
+                cause = BadRequest(400, "malformed HTTP request")
             self._fail(cause)
-            return
         except httptools.HttpParserError as exc:
-            self._fail(_ParseFailure(400, f"malformed HTTP request: {exc}"))
-            return
-        if not self._in_body and self._head_bytes > _MAX_HEAD_BYTES:
-            self._fail(_ParseFailure(431, "request head too large"))
-        elif self.task is not None and (self._queue or self._in_message):
-            self._pause_reading()  # pipelined bytes wait in the kernel, not in our memory
-
-    def _feed(self, data: bytes) -> None:
-        while True:
-            try:
-                self._parser.feed_data(data)
-                return
-            except httptools.HttpParserUpgrade as upgrade:
-                # Upgrade is not offered (answered as plain HTTP/1.1); the parser stopped after
-                # that bodiless request, so it continues with what followed it
-                data = data[upgrade.args[0] :]
-                if not data:
-                    return
+            self._fail(BadRequest(400, f"malformed HTTP request: {exc}"))
+        else:
+            if not self._in_body and self._head_bytes > _MAX_HEAD_BYTES:
+                self._fail(BadRequest(431, "request head too large"))
+            elif self.task is not None and (self._queue or self._in_message):
+                self._pause_reading()  # pipelined bytes wait in the kernel, not in our memory
 
     def eof_received(self) -> bool | None:
         return None  # a half-closed client counts as gone: close, cancel its handler
@@ -292,19 +222,13 @@ class _Connection(asyncio.Protocol):
         self._head_bytes = 0
         headers = self._headers = Headers.from_raw(self._raw_headers)
         length = headers.get("content-length")
-        if length is not None:
-            try:
-                declared = int(length)
-            except ValueError:
-                raise _ParseFailure(400, "invalid Content-Length") from None
-            if declared > self._max_body:
-                raise _ParseFailure(413, f"request body over {self._max_body} bytes")
+        if length is not None and int(length) > self._server.max_body_bytes:  # llhttp checked it
+            raise BadRequest(413, f"request body over {self._server.max_body_bytes} bytes")
         if self._parser.should_upgrade() and (
-            (length is not None and length != "0") or "transfer-encoding" in headers
+            length not in (None, "0") or "transfer-encoding" in headers
         ):
-            raise _ParseFailure(400, "Upgrade with a request body is not supported")
-        expect = headers.get("expect")
-        if expect is not None and expect.lower() == "100-continue":
+            raise BadRequest(400, "Upgrade with a request body is not supported")
+        if headers.get("expect", "").lower() == "100-continue":
             if self.task is None and not self._queue:
                 self.transport.write(_CONTINUE)
             else:
@@ -312,17 +236,15 @@ class _Connection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         self._body_size += len(body)
-        if self._body_size > self._max_body:
-            raise _ParseFailure(413, f"request body over {self._max_body} bytes")
+        if self._body_size > self._server.max_body_bytes:
+            raise BadRequest(413, f"request body over {self._server.max_body_bytes} bytes")
         self._body.append(body)
 
     def on_message_complete(self) -> None:
-        self._in_message = self._in_body = False
+        self._in_message = self._in_body = self._continue_pending = False
         self._head_bytes = 0
-        self._continue_pending = False
-        parser = self._parser
-        path, query = _split_target(self._target)
-        parts = self._body
+        parser, parts = self._parser, self._body
+        path, query = split_target(self._target)
         request = Request(
             parser.get_method().decode("ascii"),
             path,
@@ -346,18 +268,18 @@ class _Connection(asyncio.Protocol):
         writer = StreamWriter(self, request)
         keep_alive = request.keep_alive
         try:
-            response = await self._handler(request, writer)
+            response = await self._server.handler(request, writer)
             if self.closed:
                 return
             if response is not None:
                 if writer.started:
                     raise RuntimeError("handler returned a Response after streaming")
-                self._write_response(request, response, keep_alive)
+                self._respond(request, response, keep_alive)
             elif not writer.started:
                 raise RuntimeError("handler returned None without streaming a response")
             else:
-                await writer.end()
-                keep_alive = keep_alive and writer.chunked
+                await writer.end()  # a handler that forgot end() finished normally all the same
+                keep_alive = writer.keep_alive
         except asyncio.CancelledError:
             self._abort()  # server shutdown or a dropped client; nothing half-written may stay
             raise
@@ -369,65 +291,52 @@ class _Connection(asyncio.Protocol):
             if writer.started:
                 self._abort()  # the status is out; a truncated stream must not look complete
                 return
-            self._write_response(request, _error(500, "internal server error"), keep_alive)
+            self._respond(request, _error(500, "internal server error"), keep_alive)
         finally:
             self.task = None
         self._after_response(keep_alive)
 
-    def _write_response(self, request: Request, response: Response, keep_alive: bool) -> None:
+    def _respond(self, request: Request, response: Response, keep_alive: bool) -> None:
         status, body = response.status, response.body
-        head = [status_line(status)]
-        if response.headers:
-            head.append(encode_fields(response.headers))
-        if response.content_type is not None and not (
-            response.headers and any(n.lower() == "content-type" for n in response.headers)
-        ):
-            head.append(b"Content-Type: %s\r\n" % response.content_type.encode("latin-1"))
-        bodiless = status < 200 or status in _NO_BODY_STATUSES
-        if not bodiless:
-            head.append(b"Content-Length: %d\r\n" % len(body))
+        bodiless = is_bodiless(status)
+        tail = b"" if bodiless else b"Content-Length: %d\r\n" % len(body)
         if not keep_alive or self.shutting_down:
-            head.append(b"Connection: close\r\n")
+            tail += _CLOSE
         elif request.http_version == "1.0":
-            head.append(b"Connection: keep-alive\r\n")
-        head.append(b"\r\n")
-        if not bodiless and request.method != "HEAD":
-            head.append(body)
-        self.transport.write(b"".join(head))
+            tail += _KEEP_ALIVE
+        head = response_head(status, response.headers, response.content_type, tail)
+        send_body = body and not bodiless and request.method != "HEAD"
+        self.transport.write(head + body if send_body else head)
 
     def _after_response(self, keep_alive: bool) -> None:
         if self.closed:
             return
         if not keep_alive or self.shutting_down:
             self.transport.close()  # flushes what is buffered first
-            return
-        if self._queue:
+        elif self._queue:
             self.task = self._loop.create_task(self._serve(self._queue.popleft()))
-            return
-        if self._failure is not None:
-            self._send_failure()
-            return
-        if self._continue_pending:
-            self._continue_pending = False
-            self.transport.write(_CONTINUE)
-        if self._reading_paused:
-            self._reading_paused = False
-            self.transport.resume_reading()
-        self._last_activity = self._loop.time()
-        self._arm_idle_timer()
+        elif self._failure is not None:
+            self._send_failure(self._failure)
+        else:
+            if self._continue_pending:
+                self._continue_pending = False
+                self.transport.write(_CONTINUE)
+            if self._reading_paused:
+                self._reading_paused = False
+                self.transport.resume_reading()
+            self._last_activity = self._loop.time()
+            self._arm_idle_timer()
 
-    def _fail(self, failure: _ParseFailure) -> None:
+    def _fail(self, failure: BadRequest) -> None:
         self._failure = failure
         if self.task is None and not self._queue:
-            self._send_failure()
+            self._send_failure(failure)
         else:
             self._pause_reading()
 
-    def _send_failure(self) -> None:
-        assert self._failure is not None
-        failure = self._failure
+    def _send_failure(self, failure: BadRequest) -> None:
         response = _error(failure.status, str(failure))
-        self._write_response(Request("GET", "", {}, Headers(), b"", None, "1.1"), response, False)
+        self._respond(_BLANK_REQUEST, response, keep_alive=False)
         self.transport.close()
 
     # -- flow control, idle timeout, shutdown
@@ -435,7 +344,7 @@ class _Connection(asyncio.Protocol):
         if self.write_paused and not self.closed:
             if self._drain_waiter is None:
                 self._drain_waiter = self._loop.create_future()
-            await asyncio.shield(self._drain_waiter)
+            await asyncio.shield(self._drain_waiter)  # shared; one cancelled waiter keeps it
         if self.closed:
             raise ConnectionResetError("client disconnected")
 
@@ -455,8 +364,8 @@ class _Connection(asyncio.Protocol):
 
     def _arm_idle_timer(self) -> None:
         if self._idle_timer is None:
-            timeout = self._server.keepalive_timeout_s
-            self._idle_timer = self._loop.call_at(self._last_activity + timeout, self._on_idle)
+            deadline = self._last_activity + self._server.keepalive_timeout_s
+            self._idle_timer = self._loop.call_at(deadline, self._on_idle)
 
     def _on_idle(self) -> None:
         self._idle_timer = None
@@ -473,6 +382,9 @@ class _Connection(asyncio.Protocol):
         self._queue.clear()
         if self.task is None and not self.closed:
             self.transport.close()
+
+
+_BLANK_REQUEST = Request("GET", "", {}, Headers(), b"", None, "1.1", keep_alive=False)
 
 
 def _error(status: int, message: str) -> Response:
@@ -495,7 +407,7 @@ class HttpServer:
         self.connections: set[_Connection] = set()
         self.closing = False
         self._server: asyncio.Server | None = None
-        self._all_closed: asyncio.Event | None = None
+        self._all_closed = asyncio.Event()
 
     async def start(self, host: str, port: int, backlog: int = 2048) -> None:
         if self._server is not None:
@@ -514,7 +426,7 @@ class HttpServer:
 
     def connection_closed(self, conn: _Connection) -> None:
         self.connections.discard(conn)
-        if not self.connections and self._all_closed is not None:
+        if not self.connections:
             self._all_closed.set()
 
     async def close(self, grace_s: float = 10.0) -> None:
@@ -525,7 +437,6 @@ class HttpServer:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace_s
         self._server.close()
-        self._all_closed = asyncio.Event()
         busy = []
         for conn in list(self.connections):
             conn.shut_down()
@@ -538,9 +449,10 @@ class HttpServer:
             if late:
                 await asyncio.wait(late, timeout=1.0)
         if self.connections:  # closing transports still flushing their last response
-            remaining = max(0.0, deadline - loop.time())
+            self._all_closed.clear()
             try:
-                await asyncio.wait_for(self._all_closed.wait(), timeout=max(0.1, remaining))
+                async with asyncio.timeout(max(0.1, deadline - loop.time())):
+                    await self._all_closed.wait()
             except TimeoutError:
                 for conn in list(self.connections):
                     conn.transport.abort()

@@ -29,7 +29,7 @@ from policies.round_robin import RoundRobinPolicy
 from policies.threshold import ThresholdParams, ThresholdPolicy
 from tests.policies.plugin_fixture import PinnedParams, PinnedPolicy
 
-BUILTINS = ["round-robin", "colocate", "disaggregate", "threshold"]
+BUILTINS = ["round-robin", "colocate", "disaggregate", "threshold", "adaptive"]
 
 
 class FirstWorkerParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

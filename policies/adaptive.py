@@ -1,0 +1,313 @@
+"""`adaptive`: place each turn where I > H + dQ + dC says it does the least harm.
+
+For every turn the policy enumerates the feasible placements (policies.adaptive_scoring has the
+formulas): the whole turn on the resident worker (colocate) or on one of the `shortlist`
+least-loaded other decode/mixed workers (recompute, or colocate for a new session); a handoff
+from one of the `shortlist` least-loaded prefill/mixed workers to the resident worker or to one
+of those decode workers; and, when the resident worker is overloaded (`migrate_queue_threshold`
+requests waiting or KV usage at least `migrate_kv_usage`) or cannot serve the turn itself, a
+migration of its state to one of those decode workers whose KV usage is below
+`migrate_kv_usage`. A session without residency never migrates.
+
+Choice: the candidate that meets the turn's TTFT objective at the least cost = harm to running
+streams + the turn's own TTFT (which is I > H + dQ + dC against the colocated reference); then
+the lower cost among those that miss it; ties go to colocate, handoff, migrate, recompute in
+that order, then to the lower worker ids, so the decision depends only on the view and the
+estimates, never on the order of the workers. When the best candidate misses the objective the
+turn is rejected with `retry_after_s`, or served anyway with `on_infeasible=serve`.
+
+The reference is the colocate on the resident worker, or else the best whole-turn candidate.
+`predicted` is relative to it: interference_ms = I(reference) - I(chosen) (the interference
+avoided, at least 0; for the reference itself, the interference it accepts),
+exposed_transfer_ms = H, queue/compute deltas against the reference, ttft_ms of the chosen.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Literal
+
+import msgspec
+
+from policies.adaptive_scoring import Candidate, Scorer
+from policies.estimates import Estimates
+from policies.hardware import gpu_preset, model_preset
+from policies.load import DECODE_ROLES, PREFILL_ROLES, can_serve, load_score, reject_no_worker
+from policies.params import PolicyConfigError
+from policies.types import (
+    Action,
+    ClusterView,
+    Colocate,
+    Decision,
+    Handoff,
+    LinkView,
+    Migrate,
+    Outcome,
+    Prediction,
+    Recompute,
+    Reject,
+    Turn,
+    WorkerView,
+)
+
+_TIE_ORDER: dict[Action, int] = {"colocate": 0, "handoff": 1, "migrate": 2, "recompute": 3}
+
+
+class AdaptiveParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`adaptive`: priors, admission and the few knobs of the I > H + dQ + dC placement."""
+
+    on_infeasible: Literal["reject", "serve"] = "reject"
+    gpu: str = "h200-sxm"
+    model: str = "llama-3.1-8b"
+    tp: int = 1
+    chunked_prefill: int | None = None
+    retry_after_s: float = 1.0
+    migrate_queue_threshold: int = 4
+    migrate_kv_usage: float = 0.9
+    link_horizon_s: float = 1.0
+    default_link_bps: float = 12.5e9
+    shortlist: int = 3
+    learning_rate: float = 0.1
+
+    def __post_init__(self) -> None:
+        gpu_preset(self.gpu)
+        model_preset(self.model)
+        _require(self.tp >= 1, "tp", self.tp, ">= 1")
+        if self.chunked_prefill is not None:
+            _require(self.chunked_prefill >= 1, "chunked_prefill", self.chunked_prefill, ">= 1")
+        _require(
+            math.isfinite(self.retry_after_s) and self.retry_after_s >= 0,
+            "retry_after_s",
+            self.retry_after_s,
+            "a finite number >= 0",
+        )
+        _require(
+            self.migrate_queue_threshold >= 1,
+            "migrate_queue_threshold",
+            self.migrate_queue_threshold,
+            ">= 1",
+        )
+        _require(
+            0.0 < self.migrate_kv_usage <= 1.0,
+            "migrate_kv_usage",
+            self.migrate_kv_usage,
+            "in (0, 1]",
+        )
+        _require(
+            0.0 < self.link_horizon_s < math.inf,
+            "link_horizon_s",
+            self.link_horizon_s,
+            "a finite number > 0",
+        )
+        _require(
+            0.0 < self.default_link_bps < math.inf,
+            "default_link_bps",
+            self.default_link_bps,
+            "a finite number > 0",
+        )
+        _require(self.shortlist >= 1, "shortlist", self.shortlist, ">= 1")
+        _require(0.0 < self.learning_rate <= 1.0, "learning_rate", self.learning_rate, "in (0, 1]")
+
+
+class AdaptivePolicy:
+    """Colocate, hand off, migrate, recompute or reject, whichever harms least (see module)."""
+
+    name = "adaptive"
+    Params = AdaptiveParams
+
+    def __init__(self, params: AdaptiveParams | None = None) -> None:
+        self.params = p = params if params is not None else AdaptiveParams()
+        self.estimates = Estimates.from_presets(
+            p.gpu, p.model, p.tp, chunk_tokens=p.chunked_prefill, rate=p.learning_rate
+        )
+        # The router reuses one links tuple between ledger refreshes: index it once per tuple,
+        # not once per turn (a fleet of N workers has up to N^2 links).
+        self._indexed_links: tuple[LinkView, ...] = ()
+        self._link_index: dict[tuple[str, str], LinkView] = {}
+
+    def decide(self, turn: Turn, view: ClusterView) -> Decision:
+        p = self.params
+        decode_pool: list[WorkerView] = []
+        prefill_pool: list[WorkerView] = []
+        for worker in view.workers:
+            if worker.accepts_new_work:
+                if worker.role in DECODE_ROLES:
+                    decode_pool.append(worker)
+                if worker.role in PREFILL_ROLES:
+                    prefill_pool.append(worker)
+        if not decode_pool:
+            return reject_no_worker("decode")
+        residency = view.residency
+        source = view.worker(residency.worker_id) if residency is not None else None
+        resident = source if source is not None and can_serve(source, DECODE_ROLES) else None
+        links = view.links
+        if links is not self._indexed_links:
+            self._link_index = {(link.src, link.dst): link for link in links}
+            self._indexed_links = links
+        scorer = Scorer(
+            turn,
+            view,
+            self.estimates,
+            links=self._link_index,
+            horizon_s=p.link_horizon_s,
+            default_bps=p.default_link_bps,
+        )
+        key = _rank_key(turn)
+        others = _least_loaded(
+            [w for w in decode_pool if w is not resident] if resident is not None else decode_pool,
+            p.shortlist,
+        )
+        decode_targets = [resident, *others] if resident is not None else others
+        whole = [scorer.whole(worker) for worker in decode_targets]
+        # Colocating where the state lives is what any separation must beat.
+        reference = whole[0] if resident is not None else min(whole, key=key)
+        candidates = whole
+        for prefill in _least_loaded(prefill_pool, p.shortlist):
+            for decode in decode_targets:
+                if decode is not prefill:
+                    candidates.append(scorer.handoff(prefill, decode))
+        if (
+            residency is not None
+            and source is not None
+            and source.accepts_new_work
+            and (resident is None or _overloaded(source, p))
+        ):
+            for destination in others:
+                if destination.kv_usage < p.migrate_kv_usage:
+                    candidates.append(
+                        scorer.migrate(source.worker_id, destination, residency.bytes)
+                    )
+        best = min(candidates, key=key)
+        predicted = _prediction(best, reference)
+        objective = turn.objectives.ttft_ms
+        if best.ttft_ms > objective:
+            verdict = f"best {best.describe()} predicts TTFT {_ms(best.ttft_ms)} > {_ms(objective)}"
+            if p.on_infeasible == "reject":
+                return Reject(
+                    retry_after_s=p.retry_after_s, predicted=predicted, reason=f"reject: {verdict}"
+                )
+            return _decision(best, predicted, f"best effort, {verdict}")
+        return _decision(best, predicted, _reason(best, reference, candidates, key, objective))
+
+    def observe(self, outcome: Outcome) -> None:
+        self.estimates.observe(outcome)
+
+
+def _rank_key(turn: Turn) -> Callable[[Candidate], tuple[bool, float, int, tuple[str, ...]]]:
+    objective = turn.objectives.ttft_ms
+
+    def key(candidate: Candidate) -> tuple[bool, float, int, tuple[str, ...]]:
+        return (
+            candidate.ttft_ms > objective,
+            candidate.cost,
+            _TIE_ORDER[candidate.action],
+            candidate.workers,
+        )
+
+    return key
+
+
+def _least_loaded(workers: list[WorkerView], count: int) -> list[WorkerView]:
+    if len(workers) > count:
+        return sorted(workers, key=_load_key)[:count]
+    return workers
+
+
+def _load_key(worker: WorkerView) -> tuple[int, str]:
+    return load_score(worker), worker.worker_id
+
+
+def _overloaded(worker: WorkerView, params: AdaptiveParams) -> bool:
+    return (
+        worker.waiting >= params.migrate_queue_threshold
+        or worker.kv_usage >= params.migrate_kv_usage
+    )
+
+
+def _prediction(chosen: Candidate, reference: Candidate) -> Prediction:
+    if chosen is reference:
+        return Prediction(interference_ms=chosen.interference_ms, ttft_ms=chosen.ttft_ms)
+    avoided = reference.interference_ms - chosen.interference_ms
+    return Prediction(
+        interference_ms=avoided if avoided > 0.0 else 0.0,
+        exposed_transfer_ms=chosen.transfer_ms,
+        queue_delta_ms=chosen.queue_ms - reference.queue_ms,
+        compute_delta_ms=chosen.compute_ms - reference.compute_ms,
+        ttft_ms=chosen.ttft_ms,
+    )
+
+
+def _separation(candidate: Candidate, reference: Candidate) -> tuple[float, float]:
+    """(I avoided, H + dQ + dC) of `candidate` against the colocated `reference`."""
+    avoided = reference.interference_ms - candidate.interference_ms
+    cost = (
+        candidate.transfer_ms
+        + candidate.queue_ms
+        - reference.queue_ms
+        + candidate.compute_ms
+        - reference.compute_ms
+    )
+    return avoided, cost
+
+
+def _reason(
+    best: Candidate,
+    reference: Candidate,
+    candidates: list[Candidate],
+    key: Callable[[Candidate], tuple[bool, float, int, tuple[str, ...]]],
+    objective: float,
+) -> str:
+    if best is not reference:
+        avoided, cost = _separation(best, reference)
+        text = f"{best.describe()}: I={_ms(avoided)} {_relation(avoided, cost)} H+dQ+dC={_ms(cost)}"
+        if avoided <= cost:
+            text += f"; {reference.describe()} misses TTFT ({_ms(reference.ttft_ms)})"
+        return text
+    rivals = [c for c in candidates if c is not reference]
+    if not rivals:
+        return f"{best.describe()}: the only candidate"
+    rival = min(rivals, key=key)
+    avoided, cost = _separation(rival, reference)
+    text = (
+        f"{best.describe()}: I={_ms(avoided)} {_relation(avoided, cost)} "
+        f"H+dQ+dC={_ms(cost)} of {rival.describe()}"
+    )
+    if rival.ttft_ms > objective:
+        text += f", which misses TTFT ({_ms(rival.ttft_ms)})"
+    return text
+
+
+def _ms(value: float) -> str:
+    text = f"{value:.0f}"
+    return ("0" if text == "-0" else text) + "ms"
+
+
+def _relation(avoided: float, cost: float) -> str:
+    return ">" if avoided > cost else "<="
+
+
+def _decision(candidate: Candidate, predicted: Prediction, reason: str) -> Decision:
+    first = candidate.workers[0]
+    match candidate.action:
+        case "colocate":
+            return Colocate(worker=first, predicted=predicted, reason=reason)
+        case "recompute":
+            return Recompute(worker=first, predicted=predicted, reason=reason)
+        case "handoff":
+            return Handoff(
+                prefill_worker=first,
+                decode_worker=candidate.workers[1],
+                predicted=predicted,
+                reason=reason,
+            )
+        case "migrate":
+            return Migrate(
+                source=first, destination=candidate.workers[1], predicted=predicted, reason=reason
+            )
+    raise AssertionError(f"no decision for action {candidate.action!r}")
+
+
+def _require(ok: bool, name: str, value: object, wanted: str) -> None:
+    if not ok:
+        raise PolicyConfigError(f"{name} must be {wanted}, got {value!r}")

@@ -1,0 +1,313 @@
+"""Stage-time estimates: a roofline prior per quantity, corrected online from outcomes.
+
+All times are in ms. With P parameters, L layers, H heads, d head dim, W weight bytes, kv KV
+bytes per token, O the step overhead (1.5 ms), F = peak FLOP/s x tp x 0.6 and
+B = HBM bytes/s x tp x 0.85 (the prior's efficiencies):
+
+- prefill of n uncached tokens after c cached ones, in chunks of s tokens (one chunk of n
+  unchunked), each chunk's step fused with the decode step of the r streams running beside
+  it (mean context x; r = 0 on a prefill worker), as continuous batching runs them. A chunk of
+  m tokens after b tokens of context costs
+      compute = (2 P m + 4 L H d m (b + m / 2) + r (2 P + 4 L H d x)) / F
+      memory  = (W + kv (b + m) + kv r (x + 1)) / B
+  and the prefill = (number of chunks) x O + max(fc x compute, fm x memory) of the full chunks
+  summed + the same of the last chunk: the full chunks share one regime, a short last chunk
+  may sit in the other.
+- one decode step of b streams of mean context x:
+      compute = b (2 P + 4 L H d x) / F
+      memory  = (W + kv b (x + 1)) / B
+      step    = O + max(gc x compute, gm x memory)
+- queue wait behind q requests: base + fq x q x typical, where `typical` is the EWMA of
+  observed prefill times (what each request ahead costs), `base` the EWMA of waits at q = 0;
+- link rate: EWMA of observed bytes / second per (src, dst) link.
+
+Each roof has its own correction factor, kept fleet-wide and per worker (a worker starts from
+the fleet's factors when it first reports; a worker that never reported uses the fleet's). An
+observation moves each factor toward factor x observed / predicted (log-space EWMA at `rate`,
+weighted by the share of the prediction that roof binds), and pulls a factor down when its
+roof alone would exceed the observation. Two factors per quantity let a prior GPU whose compute
+and bandwidth ratios differ from the real one's (h200 prior, a100 truth: 3.2x the FLOP/s but
+2.4x the bandwidth) converge in both regimes. Factors stay within [0.05, 20]; non-finite,
+non-positive, hour-long and failed observations are ignored. Means (context, typical prefill,
+queue base) start as running means with the prior as one sample, then turn into EWMAs.
+
+Outcome counts: `worker_running_at_start` is read as the decode batch the turn joined (and, for
+a turn prefilled where it decodes, the streams its prefill shared steps with, at the mean
+observed context); `worker_waiting_at_start` as the requests queued ahead of it at its prefill
+worker.
+"""
+
+from __future__ import annotations
+
+import math
+
+from policies.hardware import RooflinePrior, Terms, gpu_preset, model_preset
+from policies.types import Outcome
+
+TYPICAL_PROMPT_TOKENS = 2048
+FACTOR_MIN = 0.05
+FACTOR_MAX = 20.0
+LINK_BPS_MIN = 1e6
+LINK_BPS_MAX = 1e13
+# A stage reported to last an hour or more is a broken clock, not a measurement.
+STAGE_MS_MAX = 3.6e6
+# Bounds the per-worker and per-link tables against a stream of unknown names.
+MAX_TRACKED = 4096
+# The workload's mean context moves slowly and its samples are heavy-tailed.
+CONTEXT_RATE_FRACTION = 0.2
+
+
+class _Correction:
+    """Learned multipliers of the compute and memory roofs of one quantity."""
+
+    __slots__ = ("compute", "memory")
+
+    def __init__(self, compute: float = 1.0, memory: float = 1.0) -> None:
+        self.compute = compute
+        self.memory = memory
+
+    def copy(self) -> _Correction:
+        return _Correction(self.compute, self.memory)
+
+    def predict(self, terms: Terms) -> float:
+        overhead, compute_a, memory_a, compute_b, memory_b = terms
+        fc, fm = self.compute, self.memory
+        a = max(compute_a * fc, memory_a * fm)
+        b = max(compute_b * fc, memory_b * fm)
+        return overhead + a + b
+
+    def update(self, terms: Terms, observed: float, rate: float) -> None:
+        overhead, compute_a, memory_a, compute_b, memory_b = terms
+        fc, fm = self.compute, self.memory
+        a_compute, a_memory = compute_a * fc, memory_a * fm
+        b_compute, b_memory = compute_b * fc, memory_b * fm
+        a = max(a_compute, a_memory)
+        b = max(b_compute, b_memory)
+        excess = observed - overhead
+        ratio = excess / (a + b)
+        # Each roof moves by the observed/predicted ratio, as much as it binds the prediction.
+        compute_share = (
+            (a if a_compute >= a_memory else 0.0) + (b if b_compute >= b_memory else 0.0)
+        ) / (a + b)
+        if compute_share > 0.0:
+            self.compute = _blend(fc, fc * ratio, rate * compute_share)
+        if compute_share < 1.0:
+            self.memory = _blend(fm, fm * ratio, rate * (1.0 - compute_share))
+        # A roof that alone exceeds the observation is too high, binding or not.
+        compute = compute_a + compute_b
+        if compute * fc > excess:
+            self.compute = min(self.compute, _blend(fc, excess / compute, rate))
+        memory = memory_a + memory_b
+        if memory * fm > excess:
+            self.memory = min(self.memory, _blend(fm, excess / memory, rate))
+
+
+class Estimates:
+    """Prefill, decode-step, queue-wait and link-rate estimates for one deployment kind.
+
+    Reads are pure; only `observe` changes state, so decisions between two observations are
+    deterministic.
+    """
+
+    def __init__(
+        self, prior: RooflinePrior, *, chunk_tokens: int | None = None, rate: float = 0.1
+    ) -> None:
+        if chunk_tokens is not None and chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1 or None, got {chunk_tokens}")
+        if not 0.0 < rate <= 1.0:
+            raise ValueError(f"rate must be in (0, 1], got {rate}")
+        self.prior = prior
+        self.chunk_tokens = chunk_tokens
+        self.rate = rate
+        self._prefill = _Correction()
+        self._decode = _Correction()
+        self._prefill_by_worker: dict[str, _Correction] = {}
+        self._decode_by_worker: dict[str, _Correction] = {}
+        self._link_bps: dict[tuple[str, str], float] = {}
+        self._context = _Average(float(TYPICAL_PROMPT_TOKENS), rate * CONTEXT_RATE_FRACTION)
+        self._typical_prefill = _Average(self.prefill_ms(TYPICAL_PROMPT_TOKENS), rate)
+        self._queue_base = _Average(0.0, rate)
+        self._queue_factor = 1.0
+
+    @classmethod
+    def from_presets(
+        cls,
+        gpu: str = "h200-sxm",
+        model: str = "llama-3.1-8b",
+        tp: int = 1,
+        *,
+        chunk_tokens: int | None = None,
+        rate: float = 0.1,
+    ) -> Estimates:
+        """Estimates seeded from named presets (PolicyConfigError for unknown names)."""
+        prior = RooflinePrior(gpu_preset(gpu), model_preset(model), tp)
+        return cls(prior, chunk_tokens=chunk_tokens, rate=rate)
+
+    def prefill_chunks(self, uncached: int) -> int:
+        """Engine steps a prefill of `uncached` tokens takes (1 unless chunked prefill)."""
+        chunk = self.chunk_tokens
+        if chunk is None or uncached <= chunk:
+            return 1
+        return -(-uncached // chunk)
+
+    def prefill_ms(
+        self, uncached: int, cached: int = 0, worker: str | None = None, running: int = 0
+    ) -> float:
+        """Time to prefill `uncached` new tokens (at least one) after `cached` reused ones, in
+        steps shared with `running` decode streams of the mean observed context."""
+        n = uncached if uncached > 1 else 1
+        terms = self.prior.prefill_terms(
+            n,
+            cached if cached > 0 else 0,
+            self.chunk_tokens,
+            running,
+            self._context.value,
+        )
+        correction = self._prefill
+        if worker is not None:
+            correction = self._prefill_by_worker.get(worker, correction)
+        return correction.predict(terms)
+
+    def decode_step_ms(self, batch: int, context: float, worker: str | None = None) -> float:
+        """One decode step of `batch` streams (at least one) of `context` tokens each."""
+        terms = self.prior.decode_terms(batch if batch > 1 else 1, context if context > 0 else 0)
+        correction = self._decode
+        if worker is not None:
+            correction = self._decode_by_worker.get(worker, correction)
+        return correction.predict(terms)
+
+    @property
+    def mean_context_tokens(self) -> float:
+        """The mean context of the decode streams seen so far (EWMA)."""
+        return self._context.value
+
+    def queue_wait_ms(self, depth: int) -> float:
+        """Wait before a new request's prefill starts behind `depth` queued requests."""
+        if depth <= 0:
+            return self._queue_base.value
+        return self._queue_base.value + self._queue_factor * depth * self._typical_prefill.value
+
+    def link_bps(self, src: str, dst: str) -> float | None:
+        """Observed transfer rate of the link src -> dst, None until a transfer reported."""
+        return self._link_bps.get((src, dst))
+
+    def factors(self, worker: str | None = None) -> dict[str, float]:
+        """The current correction factors (fleet-wide, or of `worker`), for reports."""
+        prefill = self._prefill_by_worker.get(worker, self._prefill) if worker else self._prefill
+        decode = self._decode_by_worker.get(worker, self._decode) if worker else self._decode
+        return {
+            "prefill_compute": prefill.compute,
+            "prefill_memory": prefill.memory,
+            "decode_compute": decode.compute,
+            "decode_memory": decode.memory,
+            "queue": self._queue_factor,
+        }
+
+    def observe(self, outcome: Outcome) -> None:
+        """Calibrate from one placed turn; failed turns and missing stages teach nothing."""
+        if not outcome.ok:
+            return
+        running = max(0, outcome.worker_running_at_start)
+        if _plausible(outcome.decode_ms) and outcome.completion_tokens >= 2:
+            self._observe_decode(outcome, running)
+        if _plausible(outcome.prefill_ms):
+            self._observe_prefill(outcome, running)
+        if outcome.queue_ms is not None and 0.0 <= outcome.queue_ms < STAGE_MS_MAX:
+            self._observe_queue(outcome.queue_ms, outcome.worker_waiting_at_start)
+        if _plausible(outcome.transfer_ms) and outcome.transfer_bytes > 0:
+            self._observe_transfer(outcome)
+
+    def _observe_decode(self, outcome: Outcome, running: int) -> None:
+        assert outcome.decode_ms is not None
+        step = outcome.decode_ms / (outcome.completion_tokens - 1)
+        context = max(0, outcome.prompt_tokens) + 0.5 * outcome.completion_tokens
+        terms = self.prior.decode_terms(running + 1, context)
+        self._learn(self._decode, self._decode_by_worker, outcome.decode_worker, terms, step)
+        self._context.add(context)
+
+    def _observe_prefill(self, outcome: Outcome, running: int) -> None:
+        assert outcome.prefill_ms is not None
+        prompt = max(0, outcome.prompt_tokens)
+        cached = min(max(0, outcome.cached_tokens), prompt)
+        uncached = max(1, prompt - cached)
+        # A handoff's prefill worker runs no decode streams beside it.
+        beside = running if outcome.action != "handoff" else 0
+        terms = self.prior.prefill_terms(
+            uncached, cached, self.chunk_tokens, beside, self._context.value
+        )
+        self._learn(
+            self._prefill,
+            self._prefill_by_worker,
+            outcome.prefill_worker,
+            terms,
+            outcome.prefill_ms,
+        )
+        self._typical_prefill.add(outcome.prefill_ms)
+
+    def _observe_queue(self, queue_ms: float, waiting: int) -> None:
+        if waiting <= 0:
+            self._queue_base.add(queue_ms)
+            return
+        target = (queue_ms - self._queue_base.value) / (waiting * self._typical_prefill.value)
+        self._queue_factor = _blend(self._queue_factor, target, self.rate)
+
+    def _observe_transfer(self, outcome: Outcome) -> None:
+        src, dst = outcome.prefill_worker, outcome.decode_worker
+        if src is None or dst is None or src == dst:
+            return
+        assert outcome.transfer_ms is not None
+        bps = min(
+            max(outcome.transfer_bytes * 1000.0 / outcome.transfer_ms, LINK_BPS_MIN), LINK_BPS_MAX
+        )
+        key = (src, dst)
+        known = self._link_bps.get(key)
+        if known is None:
+            if len(self._link_bps) < MAX_TRACKED:
+                self._link_bps[key] = bps
+            return
+        self._link_bps[key] = known + self.rate * (bps - known)
+
+    def _learn(
+        self,
+        fleet: _Correction,
+        by_worker: dict[str, _Correction],
+        worker: str | None,
+        terms: Terms,
+        observed: float,
+    ) -> None:
+        rate = self.rate
+        if worker is not None:
+            own = by_worker.get(worker)
+            if own is None and len(by_worker) < MAX_TRACKED:
+                own = by_worker[worker] = fleet.copy()
+            if own is not None:
+                own.update(terms, observed, rate)
+        fleet.update(terms, observed, rate)
+
+
+class _Average:
+    """A running mean (the prior counting as one sample) that turns into an EWMA at `rate`
+    once 1 / rate samples are in, so a rough prior is forgotten after the first samples."""
+
+    __slots__ = ("count", "rate", "value")
+
+    def __init__(self, prior: float, rate: float) -> None:
+        self.value = prior
+        self.rate = rate
+        self.count = 1
+
+    def add(self, sample: float) -> None:
+        self.count += 1
+        weight = 1.0 / self.count
+        self.value += (weight if weight > self.rate else self.rate) * (sample - self.value)
+
+
+def _plausible(value: float | None) -> bool:
+    return value is not None and 0.0 < value < STAGE_MS_MAX
+
+
+def _blend(factor: float, target: float, rate: float) -> float:
+    """Move `factor` toward `target` by `rate` in log space, both kept in the factor bounds."""
+    target = min(max(target, FACTOR_MIN), FACTOR_MAX) if target == target else factor
+    blended = factor * math.exp(rate * math.log(target / factor))
+    return min(max(blended, FACTOR_MIN), FACTOR_MAX)
