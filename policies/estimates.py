@@ -119,10 +119,14 @@ class Estimates:
         self.prior = prior
         self.chunk_tokens = chunk_tokens
         self.rate = rate
+        # One pair of roof factors per GPU, shared by prefill and decode: the roofs are the
+        # hardware's, and each stage teaches the roof it binds (decode steps the bandwidth,
+        # long prefills the FLOP/s). Separate pairs let a short, memory-bound prefill
+        # predicted as compute-bound (its memory factor never taught) inflate the compute one.
         self._prefill = _Correction()
-        self._decode = _Correction()
+        self._decode = self._prefill
         self._prefill_by_worker: dict[str, _Correction] = {}
-        self._decode_by_worker: dict[str, _Correction] = {}
+        self._decode_by_worker = self._prefill_by_worker
         self._link_bps: dict[tuple[str, str], float] = {}
         self._context = _Average(float(TYPICAL_PROMPT_TOKENS), rate * CONTEXT_RATE_FRACTION)
         self._typical_prefill = _Average(self.prefill_ms(TYPICAL_PROMPT_TOKENS), rate)

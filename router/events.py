@@ -64,6 +64,7 @@ class StageEvents(msgspec.Struct):
     prefill_worker: str | None = None
     decode_worker: str | None = None
     predicted: Prediction | None = None
+    reason: str = ""
     admitted: float | None = None
     decided: float | None = None
     prefill_start: float | None = None

@@ -205,6 +205,7 @@ class TurnPipeline:
         events.policy = holder.name
         events.action = action
         events.predicted = decision.predicted
+        events.reason = decision.reason
         if isinstance(decision, Handoff):
             events.prefill_worker, events.decode_worker = (decision.prefill_worker,
                                                            decision.decode_worker)  # fmt: skip

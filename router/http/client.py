@@ -16,19 +16,9 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from router.http.headers import Headers, request_head, set_nodelay
-
-__all__ = [
-    "UpstreamBodyError",
-    "UpstreamConnectError",
-    "UpstreamError",
-    "UpstreamPool",
-    "UpstreamResponse",
-]
+from router.http.headers import Headers, is_bodiless, request_head, set_nodelay
 
 _HIGH_WATER = 64 * 1024  # buffered body bytes per response before the socket is paused
-_SINGLE_WRITE_MAX = 256 * 1024  # request head and body go out in one write below this size
-_BODILESS_STATUSES = frozenset({204, 304})
 
 
 class UpstreamError(Exception):
@@ -72,8 +62,8 @@ class _Upstream(asyncio.Protocol):
         self.error: UpstreamError | None = None
         self.waiter: asyncio.Future[None] | None = None
 
-    def begin(self, payload: bytes, body: bytes, head_only: bool) -> asyncio.Future[None]:
-        """Send a request; the future resolves once its status line and headers arrived."""
+    async def exchange(self, payload: bytes, body: bytes, head_only: bool) -> UpstreamResponse:
+        """Send a request and wait for its status line and headers."""
         self.busy = True
         head = self.head = self.pool.loop.create_future()
         self.head_only = head_only
@@ -82,25 +72,24 @@ class _Upstream(asyncio.Protocol):
         self.error = None
         self.chunks = []
         self.buffered = 0
-        if body and len(payload) + len(body) > _SINGLE_WRITE_MAX:
-            self.transport.write(payload)
-            self.transport.write(body)
+        if body:
+            self.transport.writelines((payload, body))  # one send; uvloop copies nothing
         else:
-            self.transport.write(payload + body if body else payload)
-        return head
+            self.transport.write(payload)
+        try:
+            await head
+        except BaseException:
+            self.abort()  # failed, or the caller was cancelled: nobody will read this connection
+            raise
+        return UpstreamResponse(self)
 
     def take(self) -> bytes:
-        chunks = self.chunks
-        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        self.chunks = []
-        self.buffered = 0
-        self.resume()
-        return data
-
-    def resume(self) -> None:
+        """All buffered body bytes; reading resumes as the buffer is empty again."""
+        chunks, self.chunks, self.buffered = self.chunks, [], 0
         if self._reading_paused and not self.closed:
             self._reading_paused = False
             self.transport.resume_reading()
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     def wake(self) -> None:
         waiter, self.waiter = self.waiter, None
@@ -183,7 +172,7 @@ class _Upstream(asyncio.Protocol):
         elif (
             "content-length" not in headers
             and "chunked" not in headers.get("transfer-encoding", "").lower()
-            and status not in _BODILESS_STATUSES
+            and not is_bodiless(status)
         ):
             self.close_delimited = True
         if self.head is not None and not self.head.done():
@@ -310,12 +299,7 @@ class UpstreamPool:
         return self._loop
 
     async def request(
-        self,
-        base_url: str,
-        method: str,
-        path: str,
-        headers: Mapping[str, str],
-        body: bytes = b"",
+        self, base_url: str, method: str, path: str, headers: Mapping[str, str], body: bytes = b""
     ) -> UpstreamResponse:
         """Send one request and wait for the status line and headers."""
         if self._closed:
@@ -326,10 +310,11 @@ class UpstreamPool:
         conn = self._acquire((host, port))
         if conn is not None:
             try:
-                return await _exchange(conn, payload, body, head_only)
+                return await conn.exchange(payload, body, head_only)
             except _StaleConnection:
                 pass  # a stale keep-alive connection is no worker failure: once more, fresh
-        return await _exchange(await self._connect(host, port), payload, body, head_only)
+        conn = await self._connect(host, port)
+        return await conn.exchange(payload, body, head_only)
 
     async def close(self) -> None:
         """Close every connection, idle or in use."""
@@ -411,15 +396,3 @@ class UpstreamPool:
             remaining += len(idle)
         if remaining:
             self._sweep_timer = self.loop.call_later(self.idle_timeout_s / 2, self._sweep)
-
-
-async def _exchange(
-    conn: _Upstream, payload: bytes, body: bytes, head_only: bool
-) -> UpstreamResponse:
-    head = conn.begin(payload, body, head_only)
-    try:
-        await head
-    except BaseException:
-        conn.abort()
-        raise
-    return UpstreamResponse(conn)

@@ -1,11 +1,11 @@
-"""HTTP/1.1 message heads for router.http: the received-header map, request targets, and the
-serialisation of status lines, response heads and request heads."""
+"""HTTP/1.1 messages for router.http, apart from connections: the request and response values
+handlers see, the received-header map, request parsing, and response and request heads."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from http import HTTPStatus
 from typing import TypeVar, overload
 from urllib.parse import parse_qsl, unquote
@@ -14,6 +14,7 @@ import httptools
 import msgspec
 
 _T = TypeVar("_T")
+_MAX_HEAD_BYTES = 64 * 1024  # request line and headers; llhttp itself sets no limit
 
 
 class Headers(Mapping[str, str]):
@@ -68,6 +69,28 @@ class Headers(Mapping[str, str]):
         return f"Headers({self._map!r})"
 
 
+class Request(msgspec.Struct, frozen=True):
+    """One parsed request, body included."""
+
+    method: str
+    path: str  # percent-decoded, without the query
+    query: dict[str, str]
+    headers: Headers
+    body: bytes
+    remote: str | None
+    http_version: str  # "1.1" / "1.0"
+    keep_alive: bool = True  # what the client asked for (version and Connection header)
+
+
+class Response(msgspec.Struct, frozen=True):
+    """An ordinary (non-streamed) reply; sent with Content-Length."""
+
+    status: int = 200
+    body: bytes = b""
+    headers: Mapping[str, str] | None = None
+    content_type: str | None = "application/json"
+
+
 class BadRequest(Exception):
     """A request the server answers with `status` and closes the connection after."""
 
@@ -98,6 +121,108 @@ def split_target(target: bytes) -> tuple[str, dict[str, str]]:
     if not query_bytes:
         return path, {}
     return path, dict(parse_qsl(query_bytes.decode("latin-1"), keep_blank_values=True))
+
+
+class RequestReader:
+    """httptools callbacks assembling whole requests, within the head and body size limits.
+
+    `feed` raises BadRequest for what the server must refuse; complete requests go to
+    `on_request` in order, `on_expect_continue` is told when a client awaits `100 Continue`.
+    """
+
+    def __init__(
+        self,
+        max_body_bytes: int,
+        remote: str | None,
+        on_request: Callable[[Request], None],
+        on_expect_continue: Callable[[], None],
+    ) -> None:
+        self._parser = httptools.HttpRequestParser(self)
+        self._max_body = max_body_bytes
+        self._remote = remote
+        self._on_request = on_request
+        self._on_expect_continue = on_expect_continue
+        self.in_message = self.in_body = False  # where the parser is: in a request, its body
+        self._head_bytes = self._body_size = 0
+        self._target = b""
+        self._raw_headers: list[tuple[bytes, bytes]] = []
+        self._headers = Headers()
+        self._body: list[bytes] = []
+
+    def feed(self, data: bytes) -> None:
+        if not self.in_body:
+            self._head_bytes += len(data)
+        try:
+            while True:
+                try:
+                    self._parser.feed_data(data)
+                    break
+                except httptools.HttpParserUpgrade as upgrade:
+                    # Upgrade is not offered: that request is answered as plain HTTP/1.1 and
+                    # parsing goes on after it (it had no body, see on_headers_complete)
+                    data = data[upgrade.args[0] :]
+                    if not data:
+                        break
+        except httptools.HttpParserCallbackError as exc:
+            if isinstance(exc.__context__, BadRequest):
+                raise exc.__context__ from None
+            raise BadRequest(400, "malformed HTTP request") from exc
+        except httptools.HttpParserError as exc:
+            raise BadRequest(400, f"malformed HTTP request: {exc}") from None
+        if not self.in_body and self._head_bytes > _MAX_HEAD_BYTES:
+            raise BadRequest(431, "request head too large")
+
+    def on_message_begin(self) -> None:
+        self.in_message = True
+        self._target = b""
+        self._raw_headers = []
+        self._body = []
+        self._body_size = 0
+
+    def on_url(self, url: bytes) -> None:
+        self._target += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._raw_headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self.in_body = True
+        self._head_bytes = 0
+        headers = self._headers = Headers.from_raw(self._raw_headers)
+        length = headers.get("content-length")
+        if length is not None and int(length) > self._max_body:  # llhttp checked the digits
+            raise BadRequest(413, f"request body over {self._max_body} bytes")
+        if self._parser.should_upgrade() and (
+            length not in (None, "0") or "transfer-encoding" in headers
+        ):
+            raise BadRequest(400, "Upgrade with a request body is not supported")
+        if headers.get("expect", "").lower() == "100-continue":
+            self._on_expect_continue()
+
+    def on_body(self, body: bytes) -> None:
+        self._body_size += len(body)
+        if self._body_size > self._max_body:
+            raise BadRequest(413, f"request body over {self._max_body} bytes")
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        self.in_message = self.in_body = False
+        self._head_bytes = 0
+        parser, parts = self._parser, self._body
+        path, query = split_target(self._target)
+        self._body = []
+        self._on_request(
+            Request(
+                parser.get_method().decode("ascii"),
+                path,
+                query,
+                self._headers,
+                parts[0] if len(parts) == 1 else b"".join(parts),
+                self._remote,
+                parser.get_http_version(),
+                parser.should_keep_alive(),
+            )
+        )
 
 
 _REASONS: dict[int, bytes] = {status.value: status.phrase.encode() for status in HTTPStatus}

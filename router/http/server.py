@@ -13,49 +13,15 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 
-import httptools
-import msgspec
-
-from router.http.headers import (
-    BadRequest,
-    Headers,
-    error_body,
-    is_bodiless,
-    response_head,
-    set_nodelay,
-    split_target,
-)
-
-__all__ = ["Handler", "HttpServer", "Request", "Response", "StreamWriter"]
+from router.http import headers as wire
+from router.http.headers import BadRequest, Headers, Request, RequestReader, Response
 
 _log = logging.getLogger(__name__)
-_MAX_HEAD_BYTES = 64 * 1024  # request line + headers; llhttp itself sets no limit
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _CHUNKED = b"Transfer-Encoding: chunked\r\n"
 _CLOSE = b"Connection: close\r\n"
 _KEEP_ALIVE = b"Connection: keep-alive\r\n"
-
-
-class Request(msgspec.Struct, frozen=True):
-    """One parsed request, body included."""
-
-    method: str
-    path: str  # percent-decoded, without the query
-    query: dict[str, str]
-    headers: Headers
-    body: bytes
-    remote: str | None
-    http_version: str  # "1.1" / "1.0"
-    keep_alive: bool = True  # what the client asked for (version and Connection header)
-
-
-class Response(msgspec.Struct, frozen=True):
-    """An ordinary (non-streamed) reply; sent with Content-Length."""
-
-    status: int = 200
-    body: bytes = b""
-    headers: Mapping[str, str] | None = None
-    content_type: str | None = "application/json"
+_CLOSE_FLUSH_S = 1.0  # at close(), how long a closing connection may take to flush
 
 
 class StreamWriter:
@@ -77,9 +43,9 @@ class StreamWriter:
         conn = self._conn
         if conn.closed:
             raise ConnectionResetError("client disconnected")
-        self.keep_alive = self.keep_alive and not conn.shutting_down
+        self.keep_alive &= not conn.shutting_down
         tail = (_CHUNKED if self.chunked else b"") + (b"" if self.keep_alive else _CLOSE)
-        head = response_head(status, headers, None, tail)
+        head = wire.response_head(status, headers, None, tail)
         self.started = True
         conn.transport.write(head)
         await conn.drain()
@@ -99,15 +65,11 @@ class StreamWriter:
     async def end(self) -> None:
         if not self.started:
             raise RuntimeError("end() before start()")
-        if self.ended:
-            return
-        self.ended = True
-        conn = self._conn
-        if conn.closed:
-            raise ConnectionResetError("client disconnected")
-        if self.chunked and not self._head_only:
-            conn.transport.write(b"0\r\n\r\n")
-        await conn.drain()
+        if not self.ended:
+            self.ended = True
+            if self.chunked and not self._head_only and not self._conn.closed:
+                self._conn.transport.write(b"0\r\n\r\n")
+            await self._conn.drain()  # raises ConnectionResetError once the client is gone
 
 
 Handler = Callable[[Request, StreamWriter], Awaitable[Response | None]]
@@ -119,15 +81,8 @@ class _Connection(asyncio.Protocol):
     def __init__(self, server: HttpServer) -> None:
         self._server = server
         self._loop = asyncio.get_running_loop()
-        self._parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport = None  # type: ignore[assignment]  # set at once
-        self._remote: str | None = None
-        self._target = b""
-        self._raw_headers: list[tuple[bytes, bytes]] = []
-        self._headers = Headers()
-        self._body: list[bytes] = []
-        self._body_size = self._head_bytes = 0
-        self._in_message = self._in_body = False  # where the parser is: in a request, its body
+        self._reader: RequestReader = None  # type: ignore[assignment]  # set at once
         self._queue: deque[Request] = deque()  # parsed, waiting for the request in flight
         self.task: asyncio.Task[None] | None = None
         self._failure: BadRequest | None = None  # answered once the requests ahead are done
@@ -142,11 +97,15 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
-        set_nodelay(transport)
+        wire.set_nodelay(transport)
         peer = transport.get_extra_info("peername")
-        self._remote = peer[0] if isinstance(peer, tuple) else None
-        self._server.connections.add(self)
-        if self._server.closing:
+        remote = peer[0] if isinstance(peer, tuple) else None
+        server = self._server
+        self._reader = RequestReader(
+            server.max_body_bytes, remote, self._on_request, self._on_expect_continue
+        )
+        server.connections.add(self)
+        if server.closing:
             self.shutting_down = True
             transport.close()
         else:
@@ -156,31 +115,13 @@ class _Connection(asyncio.Protocol):
         if self._failure is not None or self.closed:
             return  # done for: the error goes out after the requests ahead of it
         self._last_activity = self._loop.time()
-        if not self._in_body:
-            self._head_bytes += len(data)
         try:
-            while True:
-                try:
-                    self._parser.feed_data(data)
-                    break
-                except httptools.HttpParserUpgrade as upgrade:
-                    # Upgrade is not offered: the request was answered as plain HTTP/1.1 and
-                    # parsing goes on after it (it had no body, see on_headers_complete)
-                    data = data[upgrade.args[0] :]
-                    if not data:
-                        break
-        except httptools.HttpParserCallbackError as exc:
-            cause = exc.__context__
-            if not isinstance(cause, BadRequest):
-                cause = BadRequest(400, "malformed HTTP request")
-            self._fail(cause)
-        except httptools.HttpParserError as exc:
-            self._fail(BadRequest(400, f"malformed HTTP request: {exc}"))
-        else:
-            if not self._in_body and self._head_bytes > _MAX_HEAD_BYTES:
-                self._fail(BadRequest(431, "request head too large"))
-            elif self.task is not None and (self._queue or self._in_message):
-                self._pause_reading()  # pipelined bytes wait in the kernel, not in our memory
+            self._reader.feed(data)
+        except BadRequest as failure:
+            self._fail(failure)
+            return
+        if self.task is not None and (self._queue or self._reader.in_message):
+            self._pause_reading()  # pipelined bytes wait in the kernel, not in our memory
 
     def eof_received(self) -> bool | None:
         return None  # a half-closed client counts as gone: close, cancel its handler
@@ -203,59 +144,15 @@ class _Connection(asyncio.Protocol):
         self.write_paused = False
         self._wake_writer()
 
-    # -- parser callbacks
-    def on_message_begin(self) -> None:
-        self._in_message = True
-        self._target = b""
-        self._raw_headers = []
-        self._body = []
-        self._body_size = 0
+    # -- reader callbacks
+    def _on_expect_continue(self) -> None:
+        if self.task is None and not self._queue:
+            self.transport.write(_CONTINUE)
+        else:
+            self._continue_pending = True  # must not cut into the response being written
 
-    def on_url(self, url: bytes) -> None:
-        self._target += url
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._raw_headers.append((name, value))
-
-    def on_headers_complete(self) -> None:
-        self._in_body = True
-        self._head_bytes = 0
-        headers = self._headers = Headers.from_raw(self._raw_headers)
-        length = headers.get("content-length")
-        if length is not None and int(length) > self._server.max_body_bytes:  # llhttp checked it
-            raise BadRequest(413, f"request body over {self._server.max_body_bytes} bytes")
-        if self._parser.should_upgrade() and (
-            length not in (None, "0") or "transfer-encoding" in headers
-        ):
-            raise BadRequest(400, "Upgrade with a request body is not supported")
-        if headers.get("expect", "").lower() == "100-continue":
-            if self.task is None and not self._queue:
-                self.transport.write(_CONTINUE)
-            else:
-                self._continue_pending = True  # must not cut into the response being written
-
-    def on_body(self, body: bytes) -> None:
-        self._body_size += len(body)
-        if self._body_size > self._server.max_body_bytes:
-            raise BadRequest(413, f"request body over {self._server.max_body_bytes} bytes")
-        self._body.append(body)
-
-    def on_message_complete(self) -> None:
-        self._in_message = self._in_body = self._continue_pending = False
-        self._head_bytes = 0
-        parser, parts = self._parser, self._body
-        path, query = split_target(self._target)
-        request = Request(
-            parser.get_method().decode("ascii"),
-            path,
-            query,
-            self._headers,
-            parts[0] if len(parts) == 1 else b"".join(parts),
-            self._remote,
-            parser.get_http_version(),
-            parser.should_keep_alive(),
-        )
-        self._body = []
+    def _on_request(self, request: Request) -> None:
+        self._continue_pending = False
         if self.shutting_down:
             return  # the connection closes after the request in flight
         if self.task is None and not self._queue:
@@ -298,13 +195,13 @@ class _Connection(asyncio.Protocol):
 
     def _respond(self, request: Request, response: Response, keep_alive: bool) -> None:
         status, body = response.status, response.body
-        bodiless = is_bodiless(status)
+        bodiless = wire.is_bodiless(status)
         tail = b"" if bodiless else b"Content-Length: %d\r\n" % len(body)
         if not keep_alive or self.shutting_down:
             tail += _CLOSE
         elif request.http_version == "1.0":
             tail += _KEEP_ALIVE
-        head = response_head(status, response.headers, response.content_type, tail)
+        head = wire.response_head(status, response.headers, response.content_type, tail)
         send_body = body and not bodiless and request.method != "HEAD"
         self.transport.write(head + body if send_body else head)
 
@@ -335,8 +232,7 @@ class _Connection(asyncio.Protocol):
             self._pause_reading()
 
     def _send_failure(self, failure: BadRequest) -> None:
-        response = _error(failure.status, str(failure))
-        self._respond(_BLANK_REQUEST, response, keep_alive=False)
+        self._respond(_BLANK_REQUEST, _error(failure.status, str(failure)), keep_alive=False)
         self.transport.close()
 
     # -- flow control, idle timeout, shutdown
@@ -388,7 +284,7 @@ _BLANK_REQUEST = Request("GET", "", {}, Headers(), b"", None, "1.1", keep_alive=
 
 
 def _error(status: int, message: str) -> Response:
-    return Response(status, error_body(status, message))
+    return Response(status, wire.error_body(status, message))
 
 
 class HttpServer:
@@ -434,25 +330,18 @@ class HttpServer:
         if self._server is None or self.closing:
             return
         self.closing = True
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + grace_s
         self._server.close()
-        busy = []
         for conn in list(self.connections):
-            conn.shut_down()
-            if conn.task is not None:
-                busy.append(conn.task)
+            conn.shut_down()  # idle ones close now, busy ones after their response
+        busy = [conn.task for conn in self.connections if conn.task is not None]
         if busy:
             _, late = await asyncio.wait(busy, timeout=grace_s)
             for task in late:
                 task.cancel()
-            if late:
-                await asyncio.wait(late, timeout=1.0)
-        if self.connections:  # closing transports still flushing their last response
+        if self.connections:  # transports still flushing their last bytes to the client
             self._all_closed.clear()
             try:
-                async with asyncio.timeout(max(0.1, deadline - loop.time())):
-                    await self._all_closed.wait()
+                await asyncio.wait_for(self._all_closed.wait(), timeout=_CLOSE_FLUSH_S)
             except TimeoutError:
                 for conn in list(self.connections):
                     conn.transport.abort()

@@ -1,0 +1,58 @@
+"""`adaptive` live, through the router, in front of a sim cluster with a bursty multi-turn load."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import random
+
+import aiohttp
+
+from tests.e2e.conftest import StartRouter, start_sim_cluster
+from tests.e2e.helpers import admin_get, chat
+
+
+async def test_bursty_multi_turn_load_gets_colocate_handoff_and_migrate(
+    start_router: StartRouter,
+) -> None:
+    # small batches (4 running per worker) so bursts build queues that make migration pay
+    cluster = start_sim_cluster(4, "--max-num-seqs", "4")
+    prefill, *decode = cluster.urls
+    args = ["--prefill", prefill]
+    for url in decode:
+        args += ["--decode", url]
+    router = start_router(*args, "--policy", "adaptive", "--scrape-interval-ms", "50",
+                          "--policy-param", "migrate_queue_threshold=1")  # fmt: skip
+    rng = random.Random(7)
+    statuses: list[int] = []
+
+    async def conversation(http: aiohttp.ClientSession, index: int) -> None:
+        # a long shared context per session makes recomputing it elsewhere expensive
+        messages = [{"role": "system", "content": f"ctx{index} " * 3000}]
+        for turn in range(3):
+            words = rng.choice([20, 50, 4000, 8000]) if turn == 0 else rng.choice([10, 30, 3000])
+            messages.append({"role": "user", "content": f"s{index}t{turn} " * words})
+            answer, _, response = await chat(
+                http, router.url, messages, max_tokens=rng.choice([16, 64, 200]),
+                session_id=f"adaptive-{index}",
+            )  # fmt: skip
+            statuses.append(response.status)
+            if response.status != 200:
+                return
+            messages.append({"role": "assistant", "content": answer})
+            await asyncio.sleep(rng.expovariate(2.0))
+
+    try:
+        async with aiohttp.ClientSession() as http:
+            await asyncio.gather(*(conversation(http, i) for i in range(24)))
+            _, decisions = await admin_get(http, router.url, router.admin_token,
+                                           "/admin/decisions?limit=1000")  # fmt: skip
+    finally:
+        cluster.process.stop()
+    events = decisions["decisions"]
+    actions = collections.Counter(event["action"] for event in events)
+    outcomes = collections.Counter(event["outcome"] for event in events)
+    assert set(statuses) <= {200, 429}
+    assert len(events) == len(statuses)
+    assert set(outcomes) <= {"completed", "rejected"}
+    assert actions["colocate"] >= 1 and actions["handoff"] >= 1 and actions["migrate"] >= 1
