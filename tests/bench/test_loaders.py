@@ -20,7 +20,8 @@ from bench.loaders.mooncake import (
 from bench.loaders.sharegpt import load_sharegpt
 from bench.traces import Trace, load_trace
 
-SHARED = Path("/work/shared/traces")
+# the shared traces lie beside the checkout (../shared/traces), in CI as here
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "traces"
 MOONCAKE = SHARED / "mooncake_synthetic_trace.jsonl"
 AZURE_CONV = SHARED / "azure2023_AzureLLMInferenceTrace_conv.csv"
 AZURE_CODE = SHARED / "azure2023_AzureLLMInferenceTrace_code.csv"
