@@ -108,7 +108,8 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
     add("--engine", choices=["vllm", "sglang"], help="engine of the command-line workers")
     add("--policy", help="placement policy name, entry point or module:attr")
     add("--policy-param", action="append", default=None, metavar="KEY=VALUE")
-    add("--redis", help="embedded | redis://... | rediss://... | unix://... (default embedded)")
+    add("--redis", help="embedded | redis://... | rediss://... | unix://... | "
+        "redis+sentinel://host:port,.../service (default embedded)")  # fmt: skip
     add("--redis-prefix", help="key prefix in Redis (default sr)")
     add("--first-token", choices=["decode", "prefill"], help="first-token convention")
     add("--admin-token", help="enables /admin with this bearer token")

@@ -22,6 +22,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError
 
+from router.redis_url import close_redis, open_redis
 from router.state_batcher import BatchWriter
 from router.state_codec import invalidation_decoder, snapshot_from_refresh
 from router.state_health import UNREACHABLE, Health, backoff_delays
@@ -56,7 +57,7 @@ class StateSync:
         self._health = health
         self._on_roundtrip = on_roundtrip
         timeout = config.command_timeout_s
-        self.client: Redis = Redis.from_url(
+        self.client: Redis = open_redis(
             config.url,
             socket_timeout=timeout,
             socket_connect_timeout=timeout,
@@ -111,7 +112,7 @@ class StateSync:
         for name in ("writer", "listener"):
             await self._cancel(name)
         await self._close_pubsub()
-        await self.client.aclose()
+        await close_redis(self.client)
 
     def roundtrip(self, kind: str, started: float) -> None:
         if self._on_roundtrip is not None:
