@@ -1,0 +1,81 @@
+"""A deliberately fast vLLM-shaped backend for measuring proxy overhead (not a simulator).
+
+Answers /v1/completions and /v1/chat/completions at once with a canned body (with usage), or
+streams `--chunks` frames back to back; serves /health, /v1/models and vLLM load gauges.
+
+    python -m bench.scripts.fast_backend --port 9100 --chunks 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import uvloop
+from aiohttp import web
+
+_USAGE = {"prompt_tokens": 8, "completion_tokens": 16, "total_tokens": 24,
+          "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
+_BODY = json.dumps({
+    "id": "cmpl-fast", "object": "text_completion", "created": 0, "model": "fast",
+    "choices": [{"index": 0, "text": " ok" * 16, "logprobs": None, "finish_reason": "length"}],
+    "usage": _USAGE,
+}).encode()  # fmt: skip
+_CHUNK = (
+    b'data: {"id":"cmpl-fast","object":"text_completion","created":0,"model":"fast",'
+    b'"choices":[{"index":0,"text":" ok","logprobs":null,"finish_reason":null}]}\n\n'
+)
+_USAGE_CHUNK = (
+    b'data: {"id":"cmpl-fast","object":"text_completion","created":0,'
+    b'"model":"fast","choices":[],"usage":' + json.dumps(_USAGE).encode() + b"}\n\n"
+)
+_METRICS = (
+    b'vllm:num_requests_running{model_name="fast",engine="0"} 0.0\n'
+    b'vllm:num_requests_waiting{model_name="fast",engine="0"} 0.0\n'
+    b'vllm:kv_cache_usage_perc{model_name="fast",engine="0"} 0.0\n'
+)  # fmt: skip
+
+
+def build_app(chunks: int) -> web.Application:
+    async def generate(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        if b'"stream":true' not in body.replace(b" ", b""):
+            return web.Response(body=_BODY, content_type="application/json")
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for _ in range(chunks):
+            await response.write(_CHUNK)
+        await response.write(_USAGE_CHUNK + b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "fast", "object": "model"}]})
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response()
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(body=_METRICS, content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", generate)
+    app.router.add_post("/v1/chat/completions", generate)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--port", type=int, default=9100)
+    parser.add_argument("--chunks", type=int, default=16)
+    args = parser.parse_args()
+    uvloop.install()
+    web.run_app(build_app(args.chunks), host="127.0.0.1", port=args.port, access_log=None,
+                print=None)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
