@@ -1,22 +1,27 @@
-"""`session-router demo` (and, later, `bench ...` and `up`)."""
+"""`session-router bench ...`, `session-router up` and `session-router demo`.
+
+Each bench module that offers commands exposes `register_bench(bench_subparsers)` (for
+`session-router bench NAME`) and/or `register_top(subparsers)` (for top-level commands such as
+`up` and `demo`), and is listed in `BENCH_MODULES`.
+"""
 
 from __future__ import annotations
 
-import argparse
+import importlib
 from typing import Any
 
-
-def _run_demo(args: argparse.Namespace) -> int:
-    import uvloop
-
-    from bench.demo import run_demo
-
-    uvloop.run(run_demo())
-    return 0
+BENCH_MODULES: tuple[str, ...] = ("bench.cli_live",)
 
 
 def register(subparsers: Any) -> None:
-    demo = subparsers.add_parser(
-        "demo", help="a short tour of simulated workers (what `make demo` runs)"
+    bench = subparsers.add_parser(
+        "bench", help="replay traces, simulate clusters, compare placement policies"
     )
-    demo.set_defaults(run=_run_demo)
+    bench_commands = bench.add_subparsers(dest="bench_command", metavar="BENCH_COMMAND",
+                                          required=True)  # fmt: skip
+    for name in BENCH_MODULES:
+        module = importlib.import_module(name)
+        if hasattr(module, "register_bench"):
+            module.register_bench(bench_commands)
+        if hasattr(module, "register_top"):
+            module.register_top(subparsers)

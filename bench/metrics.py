@@ -193,6 +193,7 @@ class RunSummary(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     exposed_transfer_ms: TailStats
     actions: dict[str, int]
     per_class: dict[str, float]
+    max_goodput_rps: float | None = None  # set by `bench simulate --find-max-goodput`
 
 
 class Summary(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -1,0 +1,333 @@
+"""Command-line wiring of the live bench: `bench replay`, `bench compare`, `up` and `demo`.
+
+Ctrl-C (or SIGTERM) during `replay`, `compare` or `demo` stops sending new requests, cancels
+those in flight and still writes what was measured; a second Ctrl-C abandons the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from bench.metrics import Objectives
+
+if TYPE_CHECKING:
+    from bench.traces import Trace
+
+_SUB = "session-router"
+
+
+def _objectives(args: argparse.Namespace) -> Objectives:
+    """--slo-ttft-ms makes the TTFT objective a fixed number (no per-token allowance)."""
+    base = Objectives()
+    if args.slo_ttft_ms is not None:
+        base = Objectives(ttft_base_ms=args.slo_ttft_ms, ttft_per_prompt_token_ms=0.0,
+                          itl_ms=base.itl_ms)  # fmt: skip
+    if args.slo_itl_ms is not None:
+        base = Objectives(base.ttft_base_ms, base.ttft_per_prompt_token_ms, args.slo_itl_ms)
+    return base
+
+
+def _load(path: str, command: str) -> Trace:
+    from bench.traces import load_trace
+
+    try:
+        return load_trace(path)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"{_SUB} bench {command}: cannot load {path}: {exc}") from exc
+
+
+def _run(main: Callable[[asyncio.Event], Awaitable[int]]) -> int:
+    """Run `main(stop)` on uvloop; the first SIGINT/SIGTERM sets `stop`, a second cancels."""
+    import uvloop
+
+    async def wrapper() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+
+        def on_signal() -> None:
+            if stop.is_set():
+                task.cancel()
+                return
+            stop.set()
+            print("\nstopping: no new requests; writing what was measured (Ctrl-C again to "
+                  "abandon)", file=sys.stderr, flush=True)  # fmt: skip
+
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, on_signal)
+        try:
+            return await main(stop)
+        except asyncio.CancelledError:
+            return 130
+        finally:
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(signum)
+
+    return uvloop.run(wrapper())
+
+
+def _add_slo_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--slo-ttft-ms", type=float, default=None, metavar="MS",
+                        help="TTFT objective (default 1000 ms + 0.2 ms/prompt token)")  # fmt: skip
+    parser.add_argument("--slo-itl-ms", type=float, default=None, metavar="MS",
+                        help="objective for the p99 of a request's inter-token gaps "
+                             "(default 100 ms)")  # fmt: skip
+    parser.add_argument("--api", choices=["chat", "completions"], default="chat")
+    parser.add_argument("--no-progress", action="store_true", help="no live progress bar")
+
+
+# -- bench replay -----------------------------------------------------------------------------
+async def _replay_main(args: argparse.Namespace, stop: asyncio.Event) -> int:
+    import aiohttp
+    import msgspec
+    from rich.console import Console
+
+    from bench.compare import comparison_table
+    from bench.metrics import Summary, summarise
+    from bench.outputs import REPORT_MD, write_run_outputs
+    from bench.replay import (
+        fetch_stage_events,
+        join_stage_events,
+        read_stage_events,
+        replay,
+        run_duration_s,
+    )
+    from bench.replay_stream import LagProbe
+    from router.events import StageEvents
+
+    trace = _load(args.trace, "replay")
+    objectives = _objectives(args)
+    probe = LagProbe()
+    events: list[StageEvents] = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        probe.start()
+        try:
+            results = await replay(
+                trace,
+                args.target,
+                rate_scale=args.rate_scale,
+                limit=args.limit,
+                objectives=objectives,
+                api=args.api,
+                policy_label=args.label,
+                model=args.model,
+                progress=not args.no_progress,
+                session=session,
+                stop=stop,
+                request_timeout_s=args.request_timeout_s,
+                api_key=args.api_key,
+            )
+        finally:
+            await probe.stop()
+        if args.router_events:
+            events = read_stage_events(args.router_events)
+        elif args.admin_token:
+            events = await fetch_stage_events(session, args.target, args.admin_token, len(results))
+    joined, matched, convention = join_stage_events(results, events)
+    label = args.label or next((e.policy for e in events if e.policy), "") or "live"
+    joined = [msgspec.structs.replace(r, policy=label) for r in joined]
+    run = summarise(
+        joined,
+        label,
+        args.rate_scale,
+        run_duration_s(joined),
+        convention or args.first_token,
+        objectives=objectives,
+    )
+    notes = [
+        f"trace {trace.name!r}: {len(results)} requests sent to {args.target} at rate scale "
+        f"{args.rate_scale:g} through the {args.api} API",
+        f"router stage events joined for {matched} of {len(results)} requests",
+        f"client event-loop lag p99 {probe.quantile_ms(0.99):.2f} ms",
+    ]
+    if stop.is_set():
+        notes.append(
+            "stopped early by a signal: requests in flight were cancelled and count as errors"
+        )
+    out = Path(args.out)
+    summary = Summary([run])
+    write_run_outputs(out, summary, joined, f"bench replay: {trace.name}", notes)
+    console = Console()
+    console.print(comparison_table(summary, "bench replay"))
+    console.print(f"report: {out / REPORT_MD}")
+    return 130 if stop.is_set() else 0
+
+
+def _replay_command(args: argparse.Namespace) -> int:
+    return _run(lambda stop: _replay_main(args, stop))
+
+
+# -- bench compare ----------------------------------------------------------------------------
+def _params_by_policy(assignments: list[str]) -> dict[str, dict[str, str]]:
+    from policies import parse_param_assignments
+
+    grouped: dict[str, list[str]] = {}
+    for assignment in assignments:
+        policy, sep, rest = assignment.partition(":")
+        if not sep or not policy or "=" not in rest:
+            raise ValueError(f"--policy-param needs POLICY:KEY=VALUE, got {assignment!r}")
+        grouped.setdefault(policy, []).append(rest)
+    return {policy: parse_param_assignments(items) for policy, items in grouped.items()}
+
+
+async def _compare_main(args: argparse.Namespace, stop: asyncio.Event) -> int:
+    from rich.console import Console
+
+    from bench.compare import CompareSpec, compare, comparison_table, plan
+    from bench.layout import ClusterSpec
+    from bench.outputs import REPORT_MD
+
+    try:
+        spec = CompareSpec(
+            policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
+            cluster=ClusterSpec.parse(args.cluster),
+            prefill_workers=args.prefill_workers,
+            rate_scale=args.rate_scale,
+            limit=args.limit,
+            first_token=args.first_token,
+            objectives=_objectives(args),
+            api=args.api,
+            policy_params=_params_by_policy(args.policy_param),
+            seed=args.seed,
+        )
+        out = Path(args.out)
+        plan(spec, out)  # every name and parameter checked before anything starts
+    except ValueError as exc:
+        raise SystemExit(f"{_SUB} bench compare: {exc}") from exc
+    trace = _load(args.trace, "compare")
+    summary = await compare(trace, spec, out, progress=not args.no_progress, stop=stop)
+    console = Console()
+    console.print(comparison_table(summary))
+    console.print(f"report: {out / REPORT_MD}")
+    return 130 if stop.is_set() else 0
+
+
+def _compare_command(args: argparse.Namespace) -> int:
+    return _run(lambda stop: _compare_main(args, stop))
+
+
+# -- up and demo ------------------------------------------------------------------------------
+def _up_command(args: argparse.Namespace) -> int:
+    import uvloop
+
+    from bench.compare import roles_for
+    from bench.layout import ClusterSpec
+    from bench.up import StackSpec, policy_params, run_up
+    from policies import available_policies, parse_param_assignments
+
+    policy = args.policy or ("adaptive" if "adaptive" in available_policies() else "colocate")
+    try:
+        cluster = ClusterSpec(args.workers, args.gpu, args.model, args.tp)
+        params = policy_params(policy, parse_param_assignments(args.policy_param), cluster)
+        spec = StackSpec(
+            cluster=cluster,
+            roles=tuple(roles_for(policy, args.workers, args.prefill_workers)),
+            policy=policy,
+            policy_params=tuple(sorted(params.items())),
+            host=args.host,
+            port=args.port,
+            worker_base_port=args.worker_base_port,
+            first_token=args.first_token,
+            admin_token=args.admin_token,
+            events=args.events,
+            seed=args.seed,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"{_SUB} up: {exc}") from exc
+    return uvloop.run(run_up(spec))
+
+
+def _demo_command(args: argparse.Namespace) -> int:
+    from bench.demo import DEMO_RATE_SCALE, run_demo
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()] if args.policies else None
+    rate = args.rate_scale if args.rate_scale is not None else DEMO_RATE_SCALE
+    return _run(lambda stop: run_demo(Path(args.out), policies, rate, not args.no_progress, stop))
+
+
+def register_bench(bench: Any) -> None:
+    replay = bench.add_parser(
+        "replay", help="replay a trace against a live OpenAI-compatible endpoint",
+        description="Replay a trace (any supported format) against a router or worker and "
+                    "write summary.json, requests.jsonl and a report.",
+    )  # fmt: skip
+    add = replay.add_argument
+    add("trace", help="trace file (native, Mooncake, Azure, BurstGPT, ShareGPT)")
+    add("--target", required=True, help="base URL, e.g. http://127.0.0.1:8000")
+    add("--limit", type=int, default=None, help="replay only the first N turns")
+    add("--rate-scale", type=float, default=1.0, help="arrival rate multiplier (2: twice as fast)")
+    _add_slo_options(replay)
+    add("--out", default="bench-out/replay", help="output directory")
+    add("--admin-token", default=None, help="join stage events from GET /admin/decisions")
+    add("--router-events", default=None, metavar="FILE",
+        help="join stage events from the router's --events file")  # fmt: skip
+    add("--label", default="", help="run name (default: the router's policy, else 'live')")
+    add("--model", default=None, help="the request's model field")
+    add("--first-token", choices=["decode", "prefill"], default="decode",
+        help="convention to report when no router events are joined")  # fmt: skip
+    add("--api-key", default=None, help="sent as a bearer token")
+    add("--request-timeout-s", type=float, default=600.0)
+    replay.set_defaults(run=_replay_command)
+
+    compare = bench.add_parser(
+        "compare", help="compare placement policies live on a local simulated cluster",
+        description="For each policy: a fresh simulated cluster and router, the same trace; "
+                    "one report for all runs.",
+    )  # fmt: skip
+    add = compare.add_argument
+    add("trace", help="trace file (any supported format)")
+    add("--policies", default="colocate,disaggregate,threshold,adaptive",
+        help="comma-separated policy names")  # fmt: skip
+    add("--cluster", default="4xh200-sxm/llama-3.1-8b", metavar="NxGPU/MODEL")
+    add("--prefill-workers", type=int, default=None, metavar="K",
+        help="prefill workers for split policies (default: a quarter, at least 1)")  # fmt: skip
+    add("--rate-scale", type=float, default=1.0, help="arrival rate multiplier")
+    add("--limit", type=int, default=None, help="replay only the first N turns")
+    add("--first-token", choices=["decode", "prefill"], default="decode")
+    add("--policy-param", action="append", default=[], metavar="POLICY:KEY=VALUE")
+    add("--seed", type=int, default=0, help="simulated workers' seed")
+    add("--out", default="bench-out/compare", help="output directory")
+    _add_slo_options(compare)
+    compare.set_defaults(run=_compare_command)
+
+
+def register_top(subparsers: Any) -> None:
+    up = subparsers.add_parser(
+        "up", help="run simulated workers and a router locally until Ctrl-C",
+        description="A local simulated cluster and a router with embedded Redis.",
+    )  # fmt: skip
+    add = up.add_argument
+    add("--workers", type=int, default=4)
+    add("--prefill-workers", type=int, default=None, metavar="K",
+        help="prefill workers when the policy splits (default: a quarter)")  # fmt: skip
+    add("--policy", default=None, help="default: adaptive if available, else colocate")
+    add("--policy-param", action="append", default=[], metavar="KEY=VALUE")
+    add("--host", default="127.0.0.1")
+    add("--port", type=int, default=8000, help="router port")
+    add("--worker-base-port", type=int, default=None, help="default: a free block")
+    add("--gpu", default="h200-sxm")
+    add("--model", default="llama-3.1-8b")
+    add("--tp", type=int, default=1)
+    add("--first-token", choices=["decode", "prefill"], default="decode")
+    add("--admin-token", default=None, help="default: a random token, printed")
+    add("--events", default=None, metavar="FILE", help="the router's stage events file")
+    add("--seed", type=int, default=0)
+    up.set_defaults(run=_up_command)
+
+    demo = subparsers.add_parser(
+        "demo", help="compare placement policies on a short bundled trace (`make demo`)"
+    )
+    add = demo.add_argument
+    add("--out", default="bench-out/demo", help="output directory")
+    add("--policies", default=None,
+        help="comma-separated (default: colocate, disaggregate, threshold, adaptive)")  # fmt: skip
+    add("--rate-scale", type=float, default=None, help="default 4: about 20 s per policy")
+    add("--no-progress", action="store_true")
+    demo.set_defaults(run=_demo_command)

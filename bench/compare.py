@@ -1,0 +1,221 @@
+"""`session-router bench compare`: one trace, several policies, the same simulated GPUs.
+
+For each policy in turn: a fresh `LocalStack` (a `sim-cluster` process and a `serve` process
+with its own embedded Redis, so no cache or residency carries over), a live replay of the same
+trace at the same rate, then the router's stage events (its `--events` file) joined by request
+id. Worker roles (`roles_for`): colocate gets only mixed workers; every other policy, a plugin
+name too, gets the split layout of `bench.layout.worker_roles`: K prefill workers (default a
+quarter of the cluster, at least one), then decode workers. Policies with hardware parameters
+(adaptive's gpu/model/tp) are given the cluster's. Every name and parameter is checked before
+anything starts, so a typo fails fast with the policy registry's message.
+
+Files under `out_dir`: the run outputs (`bench.outputs`) for all policies together, and
+`logs/<policy>/` with the router's and workers' logs and the router's events file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+from rich.table import Table
+
+from bench.layout import ClusterSpec, worker_roles
+from bench.metrics import (
+    FirstTokenConvention,
+    Objectives,
+    RequestResult,
+    RunSummary,
+    Summary,
+    summarise,
+)
+from bench.outputs import write_run_outputs
+from bench.replay import (
+    DEFAULT_REQUEST_TIMEOUT_S,
+    join_stage_events,
+    read_stage_events,
+    replay,
+    run_duration_s,
+)
+from bench.replay_stream import Api, LagProbe
+from bench.report import run_label
+from bench.traces import Trace
+from bench.up import LocalStack, StackSpec, policy_params
+from policies.types import Role
+from router.events import StageEvents
+
+DEFAULT_CLUSTER = ClusterSpec(4, "h200-sxm", "llama-3.1-8b")
+
+
+class CompareSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What to compare and how; `policy_params` maps a policy to its `key=value` strings."""
+
+    policies: tuple[str, ...]
+    cluster: ClusterSpec = DEFAULT_CLUSTER
+    prefill_workers: int | None = None
+    rate_scale: float = 1.0
+    limit: int | None = None
+    first_token: FirstTokenConvention = "decode"
+    objectives: Objectives = Objectives()
+    api: Api = "chat"
+    policy_params: dict[str, dict[str, str]] = {}
+    seed: int = 0
+    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if not self.policies or len(set(self.policies)) != len(self.policies):
+            raise ValueError("policies must be non-empty, without repeats")
+        if not self.rate_scale > 0:
+            raise ValueError("rate_scale must be > 0")
+
+
+class ComparedRun(msgspec.Struct, frozen=True):
+    summary: RunSummary
+    results: list[RequestResult]
+    notes: tuple[str, ...]
+
+
+def roles_for(policy: str, workers: int, prefill_workers: int | None) -> list[Role]:
+    """All mixed for colocate; the split layout for every other policy."""
+    return worker_roles("colocate" if policy == "colocate" else "disaggregate", workers,
+                        prefill_workers)  # fmt: skip
+
+
+def plan(spec: CompareSpec, out_dir: Path) -> list[StackSpec]:
+    """One stack per policy; raises ValueError (or PolicyConfigError) before anything runs."""
+    stacks = []
+    for policy in spec.policies:
+        params = policy_params(policy, spec.policy_params.get(policy, {}), spec.cluster)
+        roles = roles_for(policy, spec.cluster.workers, spec.prefill_workers)
+        logs = out_dir / "logs" / policy
+        stacks.append(
+            StackSpec(
+                cluster=spec.cluster, roles=tuple(roles), policy=policy,
+                policy_params=tuple(sorted(params.items())), first_token=spec.first_token,
+                events=str(logs / "events.jsonl"), seed=spec.seed, log_dir=str(logs),
+            )
+        )  # fmt: skip
+    for key in spec.policy_params:
+        if key not in spec.policies:
+            raise ValueError(f"parameters given for {key!r}, which is not being compared")
+    return stacks
+
+
+def _roles_text(roles: Sequence[str]) -> str:
+    counts = {role: roles.count(role) for role in ("prefill", "decode", "mixed")}
+    return " + ".join(f"{n} {role}" for role, n in counts.items() if n)
+
+
+def _fresh_logs(log_dir: str, events: str) -> None:
+    Path(log_dir).mkdir(parents=True, exist_ok=True)
+    Path(events).unlink(missing_ok=True)
+
+
+def _events_of(path: str) -> list[StageEvents]:
+    return read_stage_events(path) if Path(path).exists() else []
+
+
+async def run_policy(
+    trace: Trace, spec: CompareSpec, stack_spec: StackSpec, progress: bool,
+    stop: asyncio.Event | None,
+) -> ComparedRun:  # fmt: skip
+    """Start a fresh stack, replay the trace through it, stop it, join its stage events."""
+    assert stack_spec.events is not None and stack_spec.log_dir is not None
+    _fresh_logs(stack_spec.log_dir, stack_spec.events)
+    probe = LagProbe()
+    async with LocalStack(stack_spec) as stack:
+        probe.start()
+        try:
+            results = await replay(
+                trace, stack.url, rate_scale=spec.rate_scale, limit=spec.limit,
+                objectives=spec.objectives, api=spec.api, policy_label=stack_spec.policy,
+                model=stack.model, progress=progress, stop=stop,
+                request_timeout_s=spec.request_timeout_s,
+            )  # fmt: skip
+        finally:
+            await probe.stop()
+    stage_events = _events_of(stack_spec.events)
+    joined, matched, convention = join_stage_events(results, stage_events)
+    summary = summarise(joined, stack_spec.policy, spec.rate_scale, run_duration_s(joined),
+                        convention or spec.first_token, objectives=spec.objectives)  # fmt: skip
+    notes = [
+        f"{stack_spec.policy}: workers {_roles_text(stack_spec.roles)}; router stage events "
+        f"joined for {matched} of {len(results)} requests; client event-loop lag p99 "
+        f"{probe.quantile_ms(0.99):.2f} ms"
+    ]
+    cancelled = sum(1 for r in results if r.error.startswith("cancelled"))
+    if cancelled:
+        notes.append(f"{stack_spec.policy}: stopped early; {cancelled} requests in flight "
+                     "were cancelled and count as errors")  # fmt: skip
+    return ComparedRun(summary, joined, tuple(notes))
+
+
+async def compare(
+    trace: Trace,
+    spec: CompareSpec,
+    out_dir: Path,
+    *,
+    progress: bool = False,
+    stop: asyncio.Event | None = None,
+) -> Summary:
+    """Replay `trace` once per policy (see the module docstring) and write one report."""
+    stacks = plan(spec, out_dir)
+    runs: list[ComparedRun] = []
+    for stack_spec in stacks:
+        if stop is not None and stop.is_set():
+            break
+        runs.append(await run_policy(trace, spec, stack_spec, progress, stop))
+    summary = Summary([run.summary for run in runs])
+    sliced = trace.slice(spec.limit) if spec.limit is not None else trace
+    notes = [
+        f"trace {trace.name!r} ({trace.source or 'no source'}): {sliced.num_turns} turns of "
+        f"{len(sliced.conversations)} sessions, replayed live at rate scale "
+        f"{spec.rate_scale:g} through the {spec.api} API",
+        f"cluster {spec.cluster} (simulated workers); each policy got a fresh cluster and a "
+        f"fresh router with embedded Redis; first-token convention {spec.first_token}",
+    ]
+    for run in runs:
+        notes += run.notes
+    skipped = [s.policy for s in stacks[len(runs) :]]
+    if skipped:
+        notes.append(f"not run (stopped): {', '.join(skipped)}")
+    results = [r for run in runs for r in run.results]
+    write_run_outputs(out_dir, summary, results, f"bench compare: {trace.name} on "
+                      f"{spec.cluster}", notes)  # fmt: skip
+    return summary
+
+
+def comparison_table(summary: Summary, title: str = "bench compare") -> Table:
+    """The runs side by side (one column per run), for the terminal."""
+    runs = summary.runs
+    table = Table(title=title)
+    table.add_column("", no_wrap=True)
+    for run in runs:
+        table.add_column(run_label(run, runs), justify="right")
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value:.1f}"
+
+    rows: list[tuple[str, list[str]]] = [
+        ("requests", [str(r.requests) for r in runs]),
+        ("completed", [str(r.completed) for r in runs]),
+        ("rejected", [str(r.rejected) for r in runs]),
+        ("errors", [str(r.errors) for r in runs]),
+        ("SLO attainment", [f"{r.slo_attainment:.1%}" for r in runs]),
+        ("goodput req/s", [f"{r.goodput_rps:.2f}" for r in runs]),
+        ("TTFT p50 ms", [ms(r.ttft_ms.p50) for r in runs]),
+        ("TTFT p99 ms", [ms(r.ttft_ms.p99) for r in runs]),
+        ("ITL p50 ms", [ms(r.itl_ms.p50) for r in runs]),
+        ("ITL p99 ms", [ms(r.itl_ms.p99) for r in runs]),
+        ("ITL max ms", [ms(r.itl_ms.max) for r in runs]),
+        ("stalls", [str(r.stalls) for r in runs]),
+        ("actions", ["\n".join(f"{a} {n}" for a, n in r.actions.items()) or "-" for r in runs]),
+        ("recomputed tokens", [str(r.recomputed_tokens) for r in runs]),
+        ("transferred GiB", [f"{r.transferred_bytes / 2**30:.2f}" for r in runs]),
+        ("exposed xfer p99 ms", [ms(r.exposed_transfer_ms.p99) for r in runs]),
+    ]
+    for name, cells in rows:
+        table.add_row(name, *cells)
+    return table
