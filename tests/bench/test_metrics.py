@@ -225,6 +225,7 @@ def test_summary_json_roundtrip(tmp_path: Path) -> None:
         "exposed_transfer_ms",
         "actions",
         "per_class",
+        "max_goodput_rps",
     }
     assert document["runs"][1]["ttft_ms"] == {"p50": None, "p90": None, "p99": None}
     path.write_text(json.dumps({**document, "schema_version": 2}))
