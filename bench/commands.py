@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-BENCH_MODULES: tuple[str, ...] = ("bench.cli_live",)
+BENCH_MODULES: tuple[str, ...] = ("bench.cli_live", "bench.cli_simulate")
 
 
 def register(subparsers: Any) -> None:

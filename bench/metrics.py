@@ -168,7 +168,7 @@ class TailStats(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     p99: float | None = None
 
 
-class RunSummary(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class RunSummary(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """One replay of one trace under one policy at one rate (see the module docstring)."""
 
     policy: str
@@ -193,7 +193,7 @@ class RunSummary(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     exposed_transfer_ms: TailStats
     actions: dict[str, int]
     per_class: dict[str, float]
-    max_goodput_rps: float | None = None  # set by `bench simulate --find-max-goodput`
+    max_goodput_rps: float | None = None  # only by `bench simulate --find-max-goodput`
 
 
 class Summary(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -1,0 +1,237 @@
+"""The simulated workers in virtual time: one `sim.engine.Engine` per worker on one clock, and
+the `sim.links.Fabric` their KV transfers share.
+
+An engine step is one event: `begin_step` gives its duration, the step's end is scheduled, and
+at that time `finish_step` applies it and the next step begins. When the next step of the same
+engine would end before any other pending event, it runs at once without a round trip through
+the heap (nothing else can happen in between, so the result is identical and cheaper). Token
+outputs are delivered to their `Leg` as chunk timestamps in a list, never as events.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from heapq import heappush
+from typing import Any
+
+from bench.des.config import SimConfig
+from bench.des.loop import EventLoop
+from sim.engine import Engine, EngineConfig, EngineRequest, RequestStats, StepOutput
+from sim.links import Fabric
+from sim.presets import deployment_from_names
+
+# on_finish(leg, finish_reason, stats, now)
+FinishCallback = Callable[["Leg", str, RequestStats, float], None]
+
+
+class Leg:
+    """One request the router sent to one worker; `chunks` are its token times.
+
+    `tokens` collects the generated token ids when the caller needs them (the next turn of a
+    session resends the answer), else it is None and nothing is copied.
+    """
+
+    __slots__ = ("chunks", "engine_id", "on_finish", "owner", "tokens", "worker")
+
+    def __init__(
+        self, owner: Any, worker: int, on_finish: FinishCallback, keep_tokens: bool = False
+    ) -> None:
+        self.owner = owner
+        self.worker = worker
+        self.on_finish = on_finish
+        self.engine_id = ""
+        self.chunks: list[float] = []
+        self.tokens: list[int] | None = [] if keep_tokens else None
+
+
+class SimWorker:
+    __slots__ = ("busy", "engine", "index", "role", "wake_at", "worker_id")
+
+    def __init__(self, index: int, worker_id: str, role: str, engine: Engine) -> None:
+        self.index = index
+        self.worker_id = worker_id
+        self.role = role
+        self.engine = engine
+        self.busy = False  # a step is about to begin, in flight, or its end is being applied
+        self.wake_at: float | None = None  # a pending wake-up for a held-block deadline
+
+
+class Cluster:
+    def __init__(self, config: SimConfig, loop: EventLoop) -> None:
+        spec = config.cluster
+        self.deployment = deployment_from_names(spec.gpu, spec.model, spec.tp)
+        self.kv_bytes_per_token = self.deployment.kv_bytes_per_token
+        self.loop = loop
+        spine = None if config.spine_gbps is None else config.spine_gbps * 1e9 / 8
+        self.fabric = Fabric(spine_bps=spine)
+        nic_bps = config.nic_gbps * 1e9 / 8
+        self.workers: list[SimWorker] = []
+        ids = config.worker_ids
+        for index, (worker_id, role) in enumerate(zip(ids, config.roles, strict=True)):
+            engine_config = EngineConfig(
+                deployment=self.deployment,
+                seed=config.seed + index,
+                noise_sigma=config.noise_sigma,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                chunked_prefill=config.chunked_prefill,
+                eos_probability=config.eos_probability,
+            )
+            engine = Engine(engine_config, loop.clock, engine_id=worker_id)
+            engine.held_timeout_s = config.kv_hold_timeout_s
+            self.workers.append(SimWorker(index, worker_id, role, engine))
+            self.fabric.add_nic(worker_id, nic_bps, nic_bps, config.nic_latency_s)
+        self.legs: dict[str, Leg] = {}
+        self.steps = 0  # engine steps applied
+        self.inline_steps = 0  # of which run without a heap round trip
+        self._leg_ids = 0
+        self._transfers: dict[int, tuple[Callable[[Any], None], Any]] = {}
+        self._fabric_generation = 0
+
+    # -- requests ---------------------------------------------------------------------------
+    def new_engine_id(self, request_id: str) -> str:
+        self._leg_ids += 1
+        return f"{request_id}-{self._leg_ids}"
+
+    def submit(self, leg: Leg, request: EngineRequest) -> str | None:
+        """Hand `request` to the leg's worker; the error text vLLM would answer, or None."""
+        worker = self.workers[leg.worker]
+        engine = worker.engine
+        problem = engine.validate(len(request.prompt_token_ids), request.max_tokens)
+        if problem is not None:
+            return problem
+        leg.engine_id = request.request_id
+        engine.add_request(request)
+        self.legs[request.request_id] = leg
+        self.kick(worker)
+        return None
+
+    def held_tokens(self, worker: int, engine_id: str) -> int | None:
+        """Tokens of KV a finished prefill leg still holds there; None once released/expired."""
+        target = self.workers[worker]
+        engine = target.engine
+        if engine.num_held and engine.expire_held():
+            self.kick(target)  # expired holds freed blocks a waiting request may need
+        held = engine.held_request(engine_id)
+        return None if held is None else len(held.token_ids)
+
+    def release_held(self, worker: int, engine_id: str) -> None:
+        target = self.workers[worker]
+        if target.engine.release_held(engine_id):
+            self.kick(target)  # freed blocks may admit a waiting request
+
+    # -- engine steps -------------------------------------------------------------------------
+    def kick(self, worker: SimWorker) -> None:
+        """Begin the worker's next step now, unless one is in flight.
+
+        The step begins in an event of its own at the current time, after the callbacks
+        already due now: requests that arrive at the same instant join the same step, as they
+        do when the live engine's runner wakes up.
+        """
+        if worker.busy:
+            return
+        worker.busy = True
+        self.loop.at(self.loop.clock.now(), self._begin, worker)
+
+    def _begin(self, worker: SimWorker) -> None:
+        engine = worker.engine
+        if engine.num_held:
+            engine.expire_held()
+        duration = engine.begin_step()
+        if duration is None:
+            worker.busy = False
+            self._blocked(worker)
+            return
+        self.loop.at(self.loop.clock.now() + duration, self._step_end, worker)
+
+    def _step_end(self, worker: SimWorker) -> None:
+        engine = worker.engine
+        loop = self.loop
+        heap = loop.heap
+        clock = loop.clock
+        legs = self.legs
+        now = clock.now()
+        steps = 0
+        while True:
+            steps += 1
+            outputs: list[StepOutput] = engine.finish_step()
+            for request_id, token_ids, reason, stats in outputs:
+                leg = legs[request_id]
+                if token_ids:
+                    leg.chunks.append(now)
+                    if leg.tokens is not None:
+                        leg.tokens.extend(token_ids)
+                if reason is not None:
+                    del legs[request_id]
+                    assert stats is not None
+                    leg.on_finish(leg, reason, stats, now)
+            if engine.num_held:
+                engine.expire_held()
+            duration = engine.begin_step()
+            if duration is None:
+                worker.busy = False
+                self._blocked(worker)
+                break
+            end = now + duration
+            if loop.stopped:
+                break
+            if heap and heap[0][0] <= end:
+                loop.seq += 1  # loop.at without its checks: `end` is in the future
+                heappush(heap, (end, loop.seq, self._step_end, worker))
+                break
+            now = end
+            clock.advance_to(end)
+        self.steps += steps
+        self.inline_steps += steps - 1
+
+    def _blocked(self, worker: SimWorker) -> None:
+        """No step could start: wake at the next held-block deadline if work is waiting."""
+        engine = worker.engine
+        if not engine.has_work():
+            return
+        deadline = engine.next_held_deadline()
+        if deadline is None or worker.wake_at == deadline:
+            return
+        worker.wake_at = deadline
+        self.loop.at(max(deadline, self.loop.clock.now()), self._wake, worker)
+
+    def _wake(self, worker: SimWorker) -> None:
+        worker.wake_at = None
+        self.kick(worker)
+
+    # -- transfers ----------------------------------------------------------------------------
+    def transfer(
+        self, src: int, dst: int, nbytes: int, done: Callable[[Any], None], argument: Any
+    ) -> None:
+        """Move `nbytes` of KV from worker `src` to `dst`; then `done(argument)` runs."""
+        now = self.loop.clock.now()
+        fabric = self.fabric
+        transfer_id = fabric.start(
+            self.workers[src].worker_id, self.workers[dst].worker_id, nbytes, now
+        )
+        self._transfers[transfer_id] = (done, argument)
+        self._reschedule(now)
+
+    def _reschedule(self, now: float) -> None:
+        self._fabric_generation += 1
+        when = self.fabric.next_completion(now)
+        if when is not None:
+            # Never schedule at `now` for a transfer `advance` did not report (float residue).
+            when = when if when > now else math.nextafter(now, math.inf)
+            self.loop.at(when, self._fabric_due, self._fabric_generation)
+
+    def _fabric_due(self, generation: int) -> None:
+        if generation != self._fabric_generation:
+            return  # superseded: a transfer started or finished since
+        now = self.loop.clock.now()
+        for transfer_id in self.fabric.advance(now):
+            done, argument = self._transfers.pop(transfer_id)
+            done(argument)
+        self._reschedule(now)
+
+    # -- telemetry ------------------------------------------------------------------------------
+    def load(self, worker: int) -> tuple[int, int, float]:
+        """(running, waiting, KV usage) as the worker's /metrics would report them now."""
+        engine = self.workers[worker].engine
+        return engine.num_running, engine.num_waiting, engine.kv_usage

@@ -1,0 +1,358 @@
+"""The simulated router: the live proxy's turn path (`router.proxy`, `router.execute`) in
+virtual time, in front of the simulated cluster.
+
+Per turn: build the `Turn` and the `ClusterView` as the proxy does (worker load from the last
+scrape, fleet in-flight counts now, the link ledger, the session's residency), ask the policy,
+execute the action with the live semantics, then commit the residency and feed the outcome
+back (`StageEvents.to_outcome`, the proxy's own helper). Each leg the router sends reaches its
+worker `router_overhead_s` later and asks for `ignore_eos`, as the replay's requests do. The
+router knows a prompt's exact token count (the live one estimates chat text until usage
+calibrates it). Execution:
+- colocate / recompute: one request on the worker (recompute counts the resident tokens);
+- handoff: a handoff reservation of prompt x KV bytes; the prefill leg (max_tokens 1, blocks
+  held); then the decode leg, whose worker pulls what its prefix cache lacks over the fabric,
+  frees the held blocks and decodes; `first_token` "prefill" streams the prefill leg's token
+  at once and drops the decode leg's first one; the reservation is released when the decode
+  leg ends, with the pull's bytes and seconds (the link's observed rate learns from them);
+- migrate: a migration reservation of the resident bytes; admitted, it runs as a handoff from
+  the source; deferred, as a colocate on the source;
+- reject: 429 at once.
+"""
+
+from __future__ import annotations
+
+import traceback
+
+from bench.des.cluster import Cluster, Leg
+from bench.des.config import SimConfig
+from bench.des.ledger import LinkLedger, router_links
+from bench.des.loop import EventLoop
+from bench.des.results import PolicyError, PolicyFailure, PolicyStage
+from bench.des.turns import DoneCallback, Flight, TurnRequest
+from bench.des.views import ViewBuilder
+from bench.metrics import RequestResult, Status
+from policies.base import Policy
+from policies.types import (
+    Colocate,
+    Decision,
+    Handoff,
+    Migrate,
+    Objectives,
+    Recompute,
+    Reject,
+    Residency,
+    Turn,
+    action_of,
+)
+from router.events import StageEvents
+from sim.engine import EngineRequest, RequestStats
+
+
+class SimRouter:
+    def __init__(
+        self, config: SimConfig, policy_name: str, policy: Policy, cluster: Cluster,
+        loop: EventLoop, on_done: DoneCallback,
+    ) -> None:  # fmt: skip
+        self._config = config
+        self._policy_name = policy_name
+        self._policy = policy
+        self._cluster = cluster
+        self._loop = loop
+        self._clock = loop.clock
+        self._on_done = on_done
+        self._ids = config.worker_ids
+        self._index = {worker_id: i for i, worker_id in enumerate(self._ids)}
+        self._overhead = config.router_overhead_s
+        self._kv_bytes = cluster.kv_bytes_per_token
+        self._prefill_first = config.first_token == "prefill"
+        self._objectives = config.objectives
+        rate = config.nic_gbps * 1e9 / 8  # every NIC is alike
+        self._ledger = LinkLedger(
+            router_links(config.worker_ids, config.roles, rate),
+            config.reservation_lease_s,
+            config.ewma_alpha,
+        )
+        self.views = ViewBuilder(config, cluster, self._ledger)
+        # session -> (residency or None, epoch, last commit time)
+        self._sessions: dict[str, tuple[Residency | None, int, float]] = {}
+
+    def start(self) -> None:
+        self.views.start(self._loop)
+
+    # -- admission and decision -----------------------------------------------------------
+    def handle(self, req: TurnRequest) -> None:
+        now = self._clock.now()
+        req.sent_at = now
+        events = StageEvents(request_id=req.request_id, session_id=req.session_id, admitted=now,
+                             first_token_convention=self._config.first_token)  # fmt: skip
+        residency = self._residency(req.session_id, now)
+        prompt_tokens = len(req.prompt)
+        uncached = prompt_tokens if residency is None else max(1, prompt_tokens - residency.tokens)
+        objectives = self._objectives
+        ttft = req.ttft_slo_ms
+        if ttft is None:
+            ttft = objectives.ttft_base_ms + objectives.ttft_per_prompt_token_ms * prompt_tokens
+        itl = objectives.itl_ms if req.itl_slo_ms is None else req.itl_slo_ms
+        turn = Turn(session_id=req.session_id, request_id=req.request_id,
+                    prompt_tokens=prompt_tokens, uncached_tokens=uncached,
+                    max_tokens=req.max_tokens, objectives=Objectives(ttft_ms=ttft, itl_ms=itl),
+                    arrival_s=now)  # fmt: skip
+        view = self.views.view(residency, now)
+        try:
+            decision = self._policy.decide(turn, view)
+        except Exception as exc:
+            raise self._failure("decide", req, exc) from exc
+        action = action_of(decision)
+        events.decided = now
+        events.policy = self._policy_name
+        events.action = action
+        events.predicted = decision.predicted
+        if isinstance(decision, Handoff):
+            events.prefill_worker = decision.prefill_worker
+            events.decode_worker = decision.decode_worker
+        elif isinstance(decision, Migrate):
+            events.prefill_worker, events.decode_worker = decision.source, decision.destination
+        elif isinstance(decision, Colocate | Recompute):
+            events.decode_worker = decision.worker
+        if action == "recompute" and residency is not None:
+            events.recomputed_tokens = residency.tokens
+        self._execute(Flight(req, turn, residency, events), decision)
+
+    def _execute(self, flight: Flight, decision: Decision) -> None:
+        now = self._clock.now()
+        if isinstance(decision, Reject):
+            reason = decision.reason or "no placement meets its objectives"
+            self._end(flight, "rejected", 429, f"turn rejected: {reason}", now)
+        elif isinstance(decision, Colocate | Recompute):
+            self._single(flight, self._worker(flight, decision.worker), now)
+        elif isinstance(decision, Handoff):
+            prefill = self._worker(flight, decision.prefill_worker)
+            decode = self._worker(flight, decision.decode_worker)
+            nbytes = flight.turn.prompt_tokens * self._kv_bytes
+            flight.reservation = self._ledger.reserve(
+                decision.prefill_worker, decision.decode_worker, nbytes, "handoff", now
+            )
+            self._handoff(flight, prefill, decode, now)
+        else:
+            source = self._worker(flight, decision.source)
+            destination = self._worker(flight, decision.destination)
+            nbytes = flight.residency.bytes if flight.residency is not None else 0
+            flight.reservation = self._ledger.reserve(
+                decision.source, decision.destination, nbytes, "migration", now
+            )
+            if flight.reservation is None:
+                # The link is busy with latency-critical handoffs: defer the migration.
+                flight.events.action = "colocate"
+                flight.events.decode_worker = decision.source
+                self._single(flight, source, now)
+            else:
+                self._handoff(flight, source, destination, now)
+
+    def _worker(self, flight: Flight, worker_id: str) -> int:
+        index = self._index.get(worker_id)
+        if index is None:
+            known = ", ".join(self._ids)
+            error = ValueError(f"the decision names worker {worker_id!r}, not in the cluster "
+                               f"({known})")  # fmt: skip
+            raise self._failure("decision", flight.req, error)
+        return index
+
+    # -- one leg ----------------------------------------------------------------------------
+    def _single(self, flight: Flight, worker: int, now: float) -> None:
+        flight.served_by = worker
+        flight.events.prefill_start = now
+        self.views.inflight[worker] += 1
+        leg = Leg(flight, worker, self._single_done, flight.req.keep_answer)
+        self._loop.at(now + self._overhead, self._send_single, leg)
+
+    def _send_single(self, leg: Leg) -> None:
+        self._submit(leg, leg.owner.req.max_tokens, 0, hold=False)
+
+    def _single_done(self, leg: Leg, reason: str, stats: RequestStats, now: float) -> None:
+        self.views.inflight[leg.worker] -= 1
+        self._complete(leg.owner, leg.chunks, leg.tokens, stats, now)
+
+    def _submit(self, leg: Leg, max_tokens: int, preload: int, hold: bool) -> bool:
+        """Send the leg's request to its worker now; on a 400 the turn ends as an error."""
+        flight: Flight = leg.owner
+        req = flight.req
+        request = EngineRequest(
+            request_id=self._cluster.new_engine_id(req.request_id),
+            prompt_token_ids=req.prompt, max_tokens=max_tokens,
+            arrival_time=self._clock.now(), ignore_eos=True, hold_blocks_on_finish=hold,
+            preloaded_tokens=preload,
+        )  # fmt: skip
+        problem = self._cluster.submit(leg, request)
+        if problem is None:
+            return True
+        self.views.inflight[leg.worker] -= 1
+        self._release(flight, 0, 0.0)
+        self._end(flight, "error", 400, problem, self._clock.now())
+        return False
+
+    # -- handoff and migration ----------------------------------------------------------------
+    def _handoff(self, flight: Flight, prefill: int, decode: int, now: float) -> None:
+        flight.decode = decode
+        flight.events.prefill_start = now
+        self.views.inflight[prefill] += 1
+        keep = self._prefill_first and flight.req.keep_answer
+        leg = Leg(flight, prefill, self._prefill_done, keep)
+        self._loop.at(now + self._overhead, self._send_prefill, leg)
+
+    def _send_prefill(self, leg: Leg) -> None:
+        self._submit(leg, 1, 0, hold=True)
+
+    def _prefill_done(self, leg: Leg, reason: str, stats: RequestStats, now: float) -> None:
+        flight: Flight = leg.owner
+        self.views.inflight[leg.worker] -= 1
+        events = flight.events
+        events.prefill_end = now
+        if stats.held_blocks:
+            flight.held = (leg.worker, leg.engine_id)
+            if self._prefill_first:
+                flight.first_at = events.first_token = now
+                flight.first_token = leg.tokens
+        else:  # EOS as the first token: no KV to pull, the decode worker prefills it all
+            events.recomputed_tokens = flight.turn.prompt_tokens
+        events.transfer_start = now
+        decode = flight.decode
+        flight.served_by = decode
+        self.views.inflight[decode] += 1
+        decode_leg = Leg(flight, decode, self._decode_done, flight.req.keep_answer)
+        self._loop.at(now + self._overhead, self._send_decode, decode_leg)
+
+    def _send_decode(self, leg: Leg) -> None:
+        flight: Flight = leg.owner
+        req = flight.req
+        engine = self._cluster.workers[leg.worker].engine
+        held = flight.held
+        if held is None or engine.validate(len(req.prompt), req.max_tokens) is not None:
+            self._submit(leg, req.max_tokens, 0, hold=False)  # a 400 ends the turn there
+            return
+        held_tokens = self._cluster.held_tokens(*held)
+        if held_tokens is None:  # expired before the pull: the worker prefills locally
+            flight.reported = (0, 0.0)
+            self._submit(leg, req.max_tokens, 0, hold=False)
+            return
+        hit = engine.cached_prefix_tokens(req.prompt)
+        flight.preload = min(held_tokens, len(req.prompt))
+        flight.pull_bytes = max(0, flight.preload - hit) * self._kv_bytes
+        flight.pull_started = self._clock.now()
+        self._cluster.transfer(held[0], leg.worker, flight.pull_bytes, self._pulled, leg)
+
+    def _pulled(self, leg: Leg) -> None:
+        flight: Flight = leg.owner
+        assert flight.held is not None
+        flight.reported = (flight.pull_bytes, self._clock.now() - flight.pull_started)
+        self._cluster.release_held(*flight.held)
+        self._submit(leg, flight.req.max_tokens, flight.preload, hold=False)
+
+    def _decode_done(self, leg: Leg, reason: str, stats: RequestStats, now: float) -> None:
+        flight: Flight = leg.owner
+        self.views.inflight[leg.worker] -= 1
+        chunks, answer = leg.chunks, leg.tokens
+        if flight.first_at is not None:  # the decode leg's first token is the one already sent
+            chunks = [flight.first_at, *chunks[1:]]
+            if answer is not None and flight.first_token is not None:
+                answer = flight.first_token + answer[1:]
+        self._complete(flight, chunks, answer, stats, now)
+
+    def _release(self, flight: Flight, nbytes: int, seconds: float) -> None:
+        if flight.reservation is not None:
+            self._ledger.release(flight.reservation, nbytes, seconds)
+            flight.reservation = None
+
+    # -- the end of a turn --------------------------------------------------------------------
+    def _complete(
+        self, flight: Flight, chunks: list[float], answer: list[int] | None,
+        stats: RequestStats, now: float,
+    ) -> None:  # fmt: skip
+        events = flight.events
+        if chunks:
+            if events.first_token is None:
+                events.first_token = chunks[0]
+            events.last_token = chunks[-1]
+        if flight.reservation is not None:
+            first = events.first_token if events.first_token is not None else now
+            start = events.transfer_start if events.transfer_start is not None else first
+            events.transfer_end = first
+            seconds = max(0.0, first - start)
+            if flight.reported is not None:
+                events.transferred_bytes, seconds = flight.reported
+                events.transfer_end = start + seconds
+            self._release(flight, events.transferred_bytes, seconds)
+        events.prompt_tokens = stats.prompt_tokens
+        events.cached_tokens = stats.cached_tokens
+        events.completion_tokens = stats.completion_tokens
+        self._commit(flight, stats.prompt_tokens + stats.completion_tokens, now)
+        self._end(flight, "completed", 200, "", now, chunks, answer)
+
+    def _commit(self, flight: Flight, tokens: int | None, now: float) -> None:
+        """Residency on the worker that served the turn (None: the session lost its state)."""
+        session_id = flight.req.session_id
+        entry = self._sessions.get(session_id)
+        epoch = entry[1] + 1 if entry is not None else 1
+        turns = entry[0].turns if entry is not None and entry[0] is not None else 0
+        residency = None
+        if tokens is not None:
+            residency = Residency(worker_id=self._ids[flight.served_by], tokens=tokens,
+                                  bytes=tokens * self._kv_bytes, epoch=epoch,
+                                  turns=turns + 1)  # fmt: skip
+        self._sessions[session_id] = (residency, epoch, now)
+
+    def _residency(self, session_id: str, now: float) -> Residency | None:
+        entry = self._sessions.get(session_id)
+        if entry is None:
+            return None
+        if now - entry[2] > self._config.session_ttl_s:
+            del self._sessions[session_id]
+            return None
+        return entry[0]
+
+    def _end(
+        self, flight: Flight, status: Status, http_status: int, error: str, now: float,
+        chunks: list[float] | None = None, answer: list[int] | None = None,
+    ) -> None:  # fmt: skip
+        events = flight.events
+        events.outcome = status
+        events.http_status = http_status
+        events.error = error or None
+        events.done = now
+        if status == "error" and flight.first_at is not None and flight.residency is not None:
+            self._commit(flight, None, now)  # failed after the first token was streamed
+        self._observe(flight)
+        req = flight.req
+        chunks = chunks or []
+        exposed = None
+        if events.transfer_start is not None and events.transfer_end is not None:
+            exposed = (events.transfer_end - events.transfer_start) * 1000.0
+        result = RequestResult(
+            request_id=req.request_id, session_id=req.session_id, turn_index=req.turn_index,
+            klass=req.klass, policy=self._policy_name, sent_at=req.sent_at,
+            first_chunk_at=chunks[0] if chunks else None, chunk_times=chunks, done_at=now,
+            status=status, http_status=http_status, error=error,
+            prompt_tokens=events.prompt_tokens or len(req.prompt),
+            cached_tokens=events.cached_tokens,
+            completion_tokens=events.completion_tokens if status == "completed" else len(chunks),
+            ttft_slo_ms=req.ttft_slo_ms, itl_slo_ms=req.itl_slo_ms, action=events.action,
+            recomputed_tokens=events.recomputed_tokens,
+            transferred_bytes=events.transferred_bytes,
+            exposed_transfer_ms=exposed,
+        )  # fmt: skip
+        self._on_done(req, result, answer)
+
+    def _observe(self, flight: Flight) -> None:
+        try:
+            self._policy.observe(flight.events.to_outcome())
+        except Exception as exc:
+            raise self._failure("observe", flight.req, exc) from exc
+
+    def _failure(self, stage: PolicyStage, req: TurnRequest, exc: Exception) -> PolicyError:
+        return PolicyError(
+            PolicyFailure(
+                policy=self._policy_name, stage=stage, request_id=req.request_id,
+                session_id=req.session_id, time_s=self._clock.now(),
+                error=f"{type(exc).__name__}: {exc}",
+                traceback="".join(traceback.format_exception(exc)) if exc.__traceback__ else "",
+            )
+        )  # fmt: skip

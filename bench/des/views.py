@@ -1,0 +1,77 @@
+"""The `ClusterView` a simulated decision sees, built as the live router builds it.
+
+Worker load (running, waiting, KV usage) is what the last scrape saw: every worker is sampled
+every `scrape_interval_s` from time 0, and `scraped_age_s` says how old the sample is. In-flight
+counts are current (the router counts its own legs). Links come from the reservation ledger.
+"""
+
+from __future__ import annotations
+
+from bench.des.cluster import Cluster
+from bench.des.config import SimConfig
+from bench.des.ledger import LinkLedger
+from bench.des.loop import EventLoop
+from policies.types import ClusterView, Residency, WorkerView
+
+
+class ViewBuilder:
+    def __init__(self, config: SimConfig, cluster: Cluster, ledger: LinkLedger) -> None:
+        self._ids = config.worker_ids
+        self._roles = config.roles
+        self._interval = config.scrape_interval_s
+        self._cluster = cluster
+        self._ledger = ledger
+        self._kv_bytes = cluster.kv_bytes_per_token
+        self._loop: EventLoop | None = None
+        count = len(self._ids)
+        self.inflight = [0] * count  # legs in flight per worker (the proxy's _Inflight)
+        self._loads: list[tuple[int, int, float]] = [(0, 0, 0.0)] * count
+        self._scraped_at: float | None = None
+
+    def start(self, loop: EventLoop) -> None:
+        """Scrape at the current time, then every interval, until the loop stops."""
+        self._loop = loop
+        loop.at(loop.now(), self._scrape)
+
+    def _scrape(self, _: object) -> None:
+        assert self._loop is not None
+        if not self._loop.heap:
+            # Scrapes are the only events that reschedule themselves: with nothing else
+            # pending, no turn can ever finish (the client stops the loop when all have).
+            raise RuntimeError(
+                f"the simulation stalled at t={self._loop.now():.3f}s: turns are unanswered "
+                "but no step, transfer or arrival is pending"
+            )
+        load = self._cluster.load
+        self._loads = [load(i) for i in range(len(self._ids))]
+        now = self._loop.now()
+        self._scraped_at = now
+        self._loop.at(now + self._interval, self._scrape)
+
+    def view(self, residency: Residency | None, now: float) -> ClusterView:
+        inflight = self.inflight
+        roles = self._roles
+        scraped_at = self._scraped_at
+        age = 0.0 if scraped_at is None else max(0.0, now - scraped_at)
+        workers = tuple(
+            WorkerView(
+                worker_id=worker_id,
+                role=roles[i],
+                healthy=True,
+                running=running,
+                waiting=waiting,
+                kv_usage=kv_usage,
+                inflight=inflight[i],
+                scraped_age_s=age,
+            )
+            for i, (worker_id, (running, waiting, kv_usage)) in enumerate(
+                zip(self._ids, self._loads, strict=True)
+            )
+        )
+        return ClusterView(
+            now_s=now,
+            workers=workers,
+            links=self._ledger.views(now),
+            residency=residency,
+            kv_bytes_per_token=self._kv_bytes,
+        )

@@ -1,0 +1,127 @@
+"""How fast the discrete-event simulator replays a whole trace, in requests per CPU second.
+
+Loads the trace (timed apart), simulates it once for one policy and prints requests and events
+per CPU second of the simulation, how many engine steps ran, and how much of the CPU time the
+engine itself took (`Engine.begin_step` + `finish_step`, timed around each call, so that
+share is slightly overstated). With `--profile FILE` the run is profiled with cProfile and the
+top functions by own time are printed. Run:
+
+    .venv/bin/python -m bench.scripts.des_speed \\
+        --trace /work/shared/traces/mooncake_synthetic_trace.jsonl --policy colocate
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from bench.des import SimConfig, SimResult, simulate
+from bench.layout import ClusterSpec, worker_roles
+from bench.traces import Trace, load_trace
+from policies import create_policy
+from sim.engine import Engine
+
+DEFAULT_TRACE = "/work/shared/traces/mooncake_synthetic_trace.jsonl"
+
+
+class EngineTimer:
+    """Adds up the CPU time spent inside the engine's two step calls."""
+
+    _TIMED = ("begin_step", "finish_step")
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._saved: dict[str, Any] = {}
+
+    def __enter__(self) -> EngineTimer:
+        clock = time.process_time
+
+        def timed(call: Callable[[Engine], Any]) -> Callable[[Engine], Any]:
+            def wrapper(engine: Engine) -> Any:
+                started = clock()
+                try:
+                    return call(engine)
+                finally:
+                    self.seconds += clock() - started
+
+            return wrapper
+
+        for name in self._TIMED:
+            self._saved[name] = getattr(Engine, name)
+            setattr(Engine, name, timed(self._saved[name]))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, call in self._saved.items():
+            setattr(Engine, name, call)
+
+
+def run(trace: Trace, policy: str, config: SimConfig, rate_scale: float) -> SimResult:
+    return simulate(trace, create_policy(policy), config, rate_scale, policy)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trace", default=DEFAULT_TRACE)
+    parser.add_argument("--policy", default="colocate")
+    parser.add_argument("--cluster", default="8xh200-sxm/llama-3.1-8b")
+    parser.add_argument("--rate-scale", type=float, default=1.0)
+    parser.add_argument("--limit", type=int, default=None)
+    parser.add_argument("--noise", type=float, default=0.02, help="engine step-time noise")
+    parser.add_argument("--engine-share", action="store_true",
+                        help="also time the engine share (a second run)")  # fmt: skip
+    parser.add_argument("--profile", metavar="FILE", help="cProfile the run into FILE")
+    args = parser.parse_args()
+
+    started = time.process_time()
+    trace = load_trace(args.trace)
+    if args.limit is not None:
+        trace = trace.slice(args.limit)
+    load_s = time.process_time() - started
+    cluster = ClusterSpec.parse(args.cluster)
+    roles = tuple(worker_roles(args.policy, cluster.workers))
+    config = SimConfig(cluster=cluster, roles=roles, noise_sigma=args.noise)
+
+    wall = time.perf_counter()
+    if args.profile:
+        profiler = cProfile.Profile()
+        result = profiler.runcall(run, trace, args.policy, config, args.rate_scale)
+        profiler.dump_stats(args.profile)
+        pstats.Stats(args.profile).sort_stats("tottime").print_stats(20)
+    else:
+        result = run(trace, args.policy, config, args.rate_scale)
+    wall = time.perf_counter() - wall
+    stats = result.stats
+    report: dict[str, object] = {
+        "trace": trace.name,
+        "policy": args.policy,
+        "cluster": str(cluster),
+        "rate_scale": args.rate_scale,
+        "requests": len(result.results),
+        "events": stats.events,
+        "engine_steps": stats.steps,
+        "steps_without_heap": stats.inline_steps,
+        "virtual_s": round(stats.virtual_s, 3),
+        "trace_load_cpu_s": round(load_s, 3),
+        "cpu_s": round(stats.cpu_s, 3),
+        "wall_s": round(wall, 3),
+        "requests_per_cpu_s": round(len(result.results) / stats.cpu_s, 1),
+        "events_per_cpu_s": round(stats.events / stats.cpu_s),
+        "profiled": bool(args.profile),
+    }
+    if args.engine_share:
+        with EngineTimer() as timer:
+            again = run(trace, args.policy, config, args.rate_scale)
+        report["engine_cpu_s"] = round(timer.seconds, 3)
+        report["engine_share_of_cpu"] = round(timer.seconds / again.stats.cpu_s, 3)
+    print(msgspec.json.encode(report).decode())
+
+
+if __name__ == "__main__":
+    main()

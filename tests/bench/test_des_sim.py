@@ -1,0 +1,270 @@
+"""The discrete-event simulator: exact timings, conservation, router semantics."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from bench.des import SimConfig, simulate
+from bench.des.tokens import ASSISTANT_TAG, SYSTEM_TAG, USER_TAG, PromptBuilder
+from bench.layout import ClusterSpec
+from bench.metrics import RequestResult
+from bench.traces import Conversation, Trace, TraceTurn
+from bench.workloads import ArrivalSpec, ThinkSpec, WorkloadSpec, generate_matrix
+from policies import create_policy
+from policies.params import NoParams
+from policies.types import ClusterView, Colocate, Decision, Migrate, Outcome, Reject, Role, Turn
+from sim.presets import deployment_from_names
+from sim.roofline import CostModel
+
+DEPLOYMENT = deployment_from_names("h200-sxm", "llama-3.1-8b")
+KV_BYTES = DEPLOYMENT.kv_bytes_per_token
+
+
+def config(roles: tuple[Role, ...], **overrides: object) -> SimConfig:
+    """An exact cluster: no step noise, no NIC latency."""
+    spec = ClusterSpec(len(roles), "h200-sxm", "llama-3.1-8b")
+    fields: dict[str, object] = {"noise_sigma": 0.0, "nic_latency_s": 0.0, **overrides}
+    return msgspec.convert(
+        {"cluster": spec, "roles": roles, **fields}, SimConfig, from_attributes=True
+    )
+
+
+def single_turns(*prompts: int, arrival_s: float = 0.0, output: int = 4) -> Trace:
+    conversations = tuple(
+        Conversation(f"s{i}", (TraceTurn(arrival_s, prompt, output),))
+        for i, prompt in enumerate(prompts)
+    )
+    return Trace("test", conversations)
+
+
+def run(trace: Trace, policy: str, cfg: SimConfig) -> list[RequestResult]:
+    result = simulate(trace, create_policy(policy), cfg)
+    assert result.failure is None
+    return sorted(result.results, key=lambda r: r.request_id)
+
+
+def ttft_s(result: RequestResult) -> float:
+    assert result.first_chunk_at is not None
+    return result.first_chunk_at - result.sent_at
+
+
+@pytest.mark.parametrize("new_tokens", [1, 100, 2048, 12000])
+@pytest.mark.parametrize("overhead_s", [0.0, 0.001, 0.004])
+def test_idle_worker_ttft_is_the_cost_model_prediction_plus_router_overhead(
+    new_tokens: int, overhead_s: float
+) -> None:
+    [result] = run(single_turns(new_tokens), "colocate",
+                   config(("mixed",), router_overhead_s=overhead_s))  # fmt: skip
+    prompt = new_tokens + 2  # <|user|> ... <|assistant|>
+    assert result.prompt_tokens == prompt
+    predicted = CostModel(DEPLOYMENT).predict_prefill_s(prompt)
+    assert ttft_s(result) == overhead_s + predicted
+
+
+def test_handoff_ttft_is_prefill_transfer_and_one_token_step() -> None:
+    cfg = config(("prefill", "decode"))
+    [result] = run(single_turns(6000), "disaggregate", cfg)
+    prompt = 6002
+    model = CostModel(DEPLOYMENT)
+    transfer = prompt * KV_BYTES / (cfg.nic_gbps * 1e9 / 8)
+    expected = (2 * cfg.router_overhead_s + model.predict_prefill_s(prompt) + transfer
+                + model.predict_prefill_s(1, prompt - 1))  # fmt: skip
+    assert ttft_s(result) == pytest.approx(expected, rel=1e-12)
+    assert result.action == "handoff"
+    assert result.transferred_bytes == prompt * KV_BYTES
+    assert result.exposed_transfer_ms == pytest.approx(transfer * 1000, rel=1e-12)
+    assert result.cached_tokens == prompt - 1  # the pulled KV, as vLLM counts it
+
+
+@pytest.mark.parametrize("nic_gbps", [100.0, 400.0])
+def test_two_handoffs_sharing_one_nic_take_twice_as_long(nic_gbps: float) -> None:
+    roles: tuple[Role, ...] = ("prefill", "prefill", "decode")
+    cfg = config(roles, nic_gbps=nic_gbps)
+    [alone] = run(single_turns(4000), "disaggregate", cfg)
+    both = run(single_turns(4000, 4000), "disaggregate", cfg)
+    assert alone.exposed_transfer_ms is not None
+    expected = 4002 * KV_BYTES / (nic_gbps * 1e9 / 8) * 1000
+    assert alone.exposed_transfer_ms == pytest.approx(expected, rel=1e-12)
+    for result in both:  # both pulls cross the decode worker's ingress at once
+        assert result.exposed_transfer_ms == pytest.approx(2 * expected, rel=1e-12)
+
+
+def test_prefill_first_token_convention_streams_the_prefill_token_first() -> None:
+    cfg = config(("prefill", "decode"), first_token="prefill")
+    [result] = run(single_turns(3000, output=8), "disaggregate", cfg)
+    model = CostModel(DEPLOYMENT)
+    prefill_end = cfg.router_overhead_s + model.predict_prefill_s(3002)
+    assert result.chunk_times[0] == prefill_end
+    assert len(result.chunk_times) == result.completion_tokens == 8
+    # the transfer is now inside the first inter-token gap
+    assert result.exposed_transfer_ms is not None
+    assert result.chunk_times[1] - result.chunk_times[0] > result.exposed_transfer_ms / 1000
+
+
+class EveryThirdRejected:
+    """Rejects every third turn (of sessions other than "too-long"), colocates the rest on
+    the least busy worker."""
+
+    name = "every-third"
+    Params = NoParams
+
+    def __init__(self, params: NoParams | None = None) -> None:
+        self.turns = 0
+        self.outcomes: list[Outcome] = []
+
+    def decide(self, turn: Turn, view: ClusterView) -> Decision:
+        if turn.session_id != "too-long":
+            self.turns += 1
+        if turn.session_id != "too-long" and self.turns % 3 == 0:
+            return Reject(reason="test")
+        worker = min(view.workers, key=lambda w: (w.inflight + w.running, w.worker_id))
+        return Colocate(worker=worker.worker_id)
+
+    def observe(self, outcome: Outcome) -> None:
+        self.outcomes.append(outcome)
+
+
+def test_every_turn_ends_completed_rejected_or_errored() -> None:
+    spec = WorkloadSpec(
+        prompt_tokens=(512, 3000), output_tokens=(16,), reuse=("none", "multi-turn"),
+        turns=(3,), sessions_per_class=5, arrival=ArrivalSpec(rate_rps=20.0),
+        think=ThinkSpec(mean_s=0.2),
+    )  # fmt: skip
+    trace = generate_matrix(spec)
+    long = Conversation("too-long", (TraceTurn(0.05, 140_000, 8),))  # over max_model_len
+    trace = msgspec.structs.replace(trace, conversations=(*trace.conversations, long))
+    policy = EveryThirdRejected()
+    result = simulate(trace, policy, config(("mixed", "mixed")))
+    statuses = [r.status for r in result.results]
+    assert len(result.results) == trace.num_turns
+    assert len({r.request_id for r in result.results}) == trace.num_turns
+    assert statuses.count("rejected") == (trace.num_turns - 1) // 3
+    errors = [r for r in result.results if r.status == "error"]
+    assert [(r.session_id, r.http_status) for r in errors] == [("too-long", 400)]
+    assert "maximum context length" in errors[0].error
+    assert statuses.count("completed") == trace.num_turns - (trace.num_turns - 1) // 3 - 1
+    completed = [r for r in result.results if r.status == "completed"]
+    assert all(len(r.chunk_times) == r.completion_tokens == 16 for r in completed)
+    assert [o.ok for o in policy.outcomes] == [r.status == "completed" for r in result.results]
+    rejected = [r for r in result.results if r.status == "rejected"]
+    assert all(r.http_status == 429 and r.chunk_times == [] for r in rejected)
+
+
+class Recorder:
+    """Colocates on w0 (then on the resident worker) and keeps every turn and view."""
+
+    name = "recorder"
+    Params = NoParams
+
+    def __init__(self, params: NoParams | None = None) -> None:
+        self.seen: list[tuple[Turn, ClusterView]] = []
+
+    def decide(self, turn: Turn, view: ClusterView) -> Decision:
+        self.seen.append((turn, view))
+        if view.residency is not None:
+            return Colocate(worker=view.residency.worker_id)
+        return Colocate(worker="w0")
+
+    def observe(self, outcome: Outcome) -> None:
+        pass
+
+
+def test_views_carry_scrape_staleness_and_live_inflight_counts() -> None:
+    long_then_short = (
+        Conversation("s0", (TraceTurn(0.0, 20000, 4),)),
+        Conversation("s1", (TraceTurn(0.5, 100, 4),)),
+    )
+    trace = Trace("t", long_then_short)
+    policy = Recorder()
+    simulate(trace, policy, config(("mixed", "mixed"), scrape_interval_s=1.0))
+    (_, first), (_, second) = policy.seen
+    assert [w.scraped_age_s for w in first.workers] == [0.0, 0.0]
+    assert second.now_s == 0.5
+    assert [w.scraped_age_s for w in second.workers] == [0.5, 0.5]
+    w0 = second.workers[0]
+    # the 20k-token prefill is running, but the last scrape (t=0) saw an idle worker
+    assert (w0.running, w0.waiting, w0.inflight) == (0, 0, 1)
+
+
+def test_residency_is_committed_on_the_serving_worker_after_each_turn() -> None:
+    turns = (TraceTurn(0.0, 1000, 10), TraceTurn(0.0, 200, 10, think_s=0.1))
+    trace = Trace("t", (Conversation("chat", turns, system_prefix_tokens=50),))
+    policy = Recorder()
+    result = simulate(trace, policy, config(("mixed", "mixed")))
+    (turn0, view0), (turn1, view1) = policy.seen
+    first, second = result.results
+    assert view0.residency is None and turn0.uncached_tokens == turn0.prompt_tokens
+    assert turn0.prompt_tokens == 1 + 50 + 1 + 1000 + 1
+    residency = view1.residency
+    assert residency is not None
+    assert (residency.worker_id, residency.tokens, residency.epoch, residency.turns) == (
+        "w0", first.prompt_tokens + first.completion_tokens, 1, 1)  # fmt: skip
+    assert residency.bytes == residency.tokens * KV_BYTES
+    # the next prompt resends the answer: prompt + 10 generated + <|user|> 200 <|assistant|>
+    assert turn1.prompt_tokens == turn0.prompt_tokens + 10 + 202
+    assert turn1.uncached_tokens == turn1.prompt_tokens - residency.tokens
+    # the last generated token's KV was never written: everything before it is a cache hit
+    assert second.cached_tokens == (turn0.prompt_tokens + 9) // 16 * 16
+    assert first.done_at is not None
+    assert second.sent_at == pytest.approx(first.done_at + 0.1)
+
+
+class AlwaysMigrate:
+    """Serves new sessions on w0; later turns migrate the session to w1."""
+
+    name = "always-migrate"
+    Params = NoParams
+
+    def __init__(self, params: NoParams | None = None) -> None:
+        pass
+
+    def decide(self, turn: Turn, view: ClusterView) -> Decision:
+        if view.residency is None:
+            return Colocate(worker="w0")
+        return Migrate(source=view.residency.worker_id, destination="w1")
+
+    def observe(self, outcome: Outcome) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("lease_s", "action", "served_by_w1"), [(30.0, "migrate", True), (1e-9, "colocate", False)]
+)
+def test_a_migration_runs_as_a_handoff_unless_the_link_defers_it(
+    lease_s: float, action: str, served_by_w1: bool
+) -> None:
+    turns = (TraceTurn(0.0, 3000, 8), TraceTurn(0.0, 100, 8), TraceTurn(0.0, 100, 8))
+    trace = Trace("t", (Conversation("chat", turns),))
+    cfg = config(("mixed", "mixed"), reservation_lease_s=lease_s)
+    result = simulate(trace, AlwaysMigrate(), cfg)
+    _, second, third = result.results
+    assert second.action == action
+    if served_by_w1:  # w1 pulled everything of the prompt it did not hold
+        assert second.transferred_bytes == second.prompt_tokens * KV_BYTES
+        assert third.action == "migrate" and third.transferred_bytes > 0
+    else:
+        assert second.transferred_bytes == 0 and second.exposed_transfer_ms is None
+
+
+def test_prompts_extend_the_previous_turn_with_its_answer() -> None:
+    turns = (TraceTurn(0.0, 40, 5, prefix_blocks=(7,)), TraceTurn(0.0, 30, 5))
+    conversation = Conversation("c", turns, system_prefix_tokens=10)
+    builder = PromptBuilder(block_tokens=32)
+    first = builder.first_prompt(conversation)
+    assert len(first) == 1 + 10 + 1 + 40 + 1
+    assert (first[0], first[11], first[-1]) == (SYSTEM_TAG, USER_TAG, ASSISTANT_TAG)
+    answer = [1, 2, 3, 4, 5]
+    second = builder.next_prompt(conversation, 1, first, answer)
+    assert second[: len(first)] == first
+    assert second[len(first) : len(first) + 5] == answer
+    assert len(second) == len(first) + 5 + 1 + 30 + 1
+    # the same block at the same place gives the same ids in another session
+    other = builder.first_prompt(Conversation("d", turns, system_prefix_tokens=10))
+    assert other[1:11] == first[1:11] and other[12:34] == first[12:34]
+    assert other[34:52] != first[34:52]  # past the known block: unique to each session
+
+
+def test_an_empty_trace_simulates_to_nothing() -> None:
+    result = simulate(Trace("empty", ()), create_policy("colocate"), config(("mixed",)))
+    assert (result.results, result.failure, result.stats.virtual_s) == ([], None, 0.0)
