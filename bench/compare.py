@@ -78,9 +78,8 @@ class ComparedRun(msgspec.Struct, frozen=True):
 
 
 def roles_for(policy: str, workers: int, prefill_workers: int | None) -> list[Role]:
-    """All mixed for colocate; the split layout for every other policy."""
-    return worker_roles("colocate" if policy == "colocate" else "disaggregate", workers,
-                        prefill_workers)  # fmt: skip
+    """The same layout `bench simulate` uses (`bench.layout.worker_roles`)."""
+    return worker_roles(policy, workers, prefill_workers)
 
 
 def plan(spec: CompareSpec, out_dir: Path) -> list[StackSpec]:
