@@ -23,6 +23,7 @@ import aiohttp
 import msgspec
 
 from bench.metrics import Status
+from router.relay import Usage
 
 Api = Literal["chat", "completions"]
 
@@ -36,16 +37,6 @@ _CONTENT_KEYS: dict[Api, tuple[bytes, bytes]] = {
     "completions": (b'"text":"', b'"text": "'),
 }
 PATHS: dict[Api, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
-
-
-class Usage(msgspec.Struct):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    prompt_tokens_details: dict[str, int | None] | None = None
-
-    @property
-    def cached_tokens(self) -> int:
-        return int((self.prompt_tokens_details or {}).get("cached_tokens") or 0)
 
 
 class _UsageFrame(msgspec.Struct):
