@@ -83,7 +83,9 @@ class Router:
         self.scraper.start()
         await self._refresh_models()
         self._tasks.append(asyncio.create_task(self._models_loop()))
-        executor = Executor(config, self.pool, self.state, self.clock, self._on_upstream_error)
+        executor = Executor(
+            config, self.pool, self.state, self.clock, self._on_upstream_error, self.metrics
+        )
         self.pipeline = TurnPipeline(
             config, self.pool, self.state, self.policy, self.metrics, self.events, executor,
             self.clock, self._mark_failed,

@@ -22,6 +22,7 @@ from router import adapters
 from router.config import RouterConfig
 from router.errors import RouterError, stream_error_frames
 from router.events import StageClock, StageEvents
+from router.metrics import RouterMetrics
 from router.relay import RelayResult, StreamRelay, Usage, usage_of
 from router.state import Reservation, SessionRecord, SharedState
 from router.turn_fields import RoutingFields
@@ -86,7 +87,9 @@ class Executor:
         state: SharedState,
         clock: StageClock,
         on_upstream_error: Callable[[str, str], None],
+        metrics: RouterMetrics,
     ) -> None:
+        self._metrics = metrics
         self._config = config
         self._pool = pool
         self._state = state
@@ -354,21 +357,25 @@ class Executor:
             self._state.release(reservation, nbytes, seconds)
 
     def _inflight(self, worker_id: str) -> _Inflight:
-        return _Inflight(self._pool, self._state, worker_id)
+        return _Inflight(self._pool, self._state, self._metrics, worker_id)
 
 
 class _Inflight:
     """Counts a request on a worker, locally and in the fleet's shared in-flight ledger."""
 
-    __slots__ = ("_pool", "_state", "_worker_id")
+    __slots__ = ("_metrics", "_pool", "_state", "_worker_id")
 
-    def __init__(self, pool: WorkerPool, state: SharedState, worker_id: str) -> None:
-        self._pool, self._state, self._worker_id = pool, state, worker_id
+    def __init__(
+        self, pool: WorkerPool, state: SharedState, metrics: RouterMetrics, worker_id: str
+    ) -> None:
+        self._pool, self._state, self._metrics, self._worker_id = pool, state, metrics, worker_id
 
     def __enter__(self) -> None:
         self._pool.workers[self._worker_id].inflight += 1
         self._state.add_inflight(self._worker_id, 1)
+        self._metrics.inflight_add(self._worker_id, 1)
 
     def __exit__(self, *exc: object) -> None:
         self._pool.workers[self._worker_id].inflight -= 1
         self._state.add_inflight(self._worker_id, -1)
+        self._metrics.inflight_add(self._worker_id, -1)
