@@ -7,17 +7,17 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
-from aiohttp import web
 
 from policies import PolicyConfigError, create_policy
 from router.errors import error_response
 from router.events import EventLog
+from router.http import Request, Response
 from router.proxy import PolicyHolder
 from router.state import UNKNOWN, SharedState
 from router.workers import WorkerPool
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _encode = msgspec.json.Encoder().encode
+AdminHandler = Callable[[Request, str], Awaitable[Response]]
 
 
 class PolicyUpdate(msgspec.Struct, forbid_unknown_fields=True):
@@ -26,6 +26,8 @@ class PolicyUpdate(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class Admin:
+    PREFIX = "/admin/"
+
     def __init__(
         self,
         token: str | None,
@@ -39,33 +41,34 @@ class Admin:
         self._state = state
         self._events = events
         self._policy = policy
+        # (method, first path segment after /admin/, has an id) -> handler
+        self._routes: dict[tuple[str, str, bool], AdminHandler] = {
+            ("GET", "sessions", True): self._session,
+            ("GET", "workers", False): self._workers,
+            ("POST", "workers/drain", True): self._drain,
+            ("DELETE", "workers/drain", True): self._undrain,
+            ("GET", "decisions", False): self._decisions,
+            ("GET", "policy", False): self._get_policy,
+            ("PUT", "policy", False): self._put_policy,
+        }
 
-    def add_routes(self, app: web.Application) -> None:
-        routes = [
-            ("GET", "/admin/sessions/{session_id}", self.session),
-            ("GET", "/admin/workers", self.workers),
-            ("POST", "/admin/workers/{worker_id}/drain", self.drain),
-            ("DELETE", "/admin/workers/{worker_id}/drain", self.undrain),
-            ("GET", "/admin/decisions", self.decisions),
-            ("GET", "/admin/policy", self.get_policy),
-            ("PUT", "/admin/policy", self.put_policy),
-        ]
-        for method, path, handler in routes:
-            app.router.add_route(method, path, self._guard(handler))
+    async def handle(self, request: Request) -> Response:
+        """Everything under /admin/: 404 unless a token is configured, 401 without it."""
+        if self._token is None:
+            return error_response(404, f"{request.path} not found")
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {self._token}".encode()):
+            return error_response(401, "admin endpoints need 'Authorization: Bearer <token>'")
+        route, ident = _match(request.path[len(self.PREFIX) :])
+        handler = self._routes.get((request.method, route, ident is not None))
+        if handler is None:
+            known = any(key[1] == route for key in self._routes)
+            if known:
+                return error_response(405, f"method {request.method} not allowed")
+            return error_response(404, f"{request.path} not found")
+        return await handler(request, ident or "")
 
-    def _guard(self, handler: Handler) -> Handler:
-        async def guarded(request: web.Request) -> web.StreamResponse:
-            if self._token is None:
-                return error_response(404, f"{request.path} not found")
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self._token}".encode()):
-                return error_response(401, "admin endpoints need 'Authorization: Bearer <token>'")
-            return await handler(request)
-
-        return guarded
-
-    async def session(self, request: web.Request) -> web.Response:
-        session_id = request.match_info["session_id"]
+    async def _session(self, request: Request, session_id: str) -> Response:
         record = self._state.cached_session(session_id)
         if record is UNKNOWN:
             record = await self._state.load_session(session_id)
@@ -73,7 +76,7 @@ class Admin:
             return error_response(404, f"no residency known for session {session_id!r}")
         return _json(record)
 
-    async def workers(self, request: web.Request) -> web.Response:
+    async def _workers(self, request: Request, _: str) -> Response:
         fleet = self._state.fleet_inflight()
         rows = []
         for worker_id, state in self._pool.workers.items():
@@ -86,21 +89,20 @@ class Admin:
             })  # fmt: skip
         return _json({"workers": rows})
 
-    async def drain(self, request: web.Request) -> web.Response:
-        return self._set_draining(request, True)
+    async def _drain(self, request: Request, worker_id: str) -> Response:
+        return self._set_draining(worker_id, True)
 
-    async def undrain(self, request: web.Request) -> web.Response:
-        return self._set_draining(request, False)
+    async def _undrain(self, request: Request, worker_id: str) -> Response:
+        return self._set_draining(worker_id, False)
 
-    def _set_draining(self, request: web.Request, draining: bool) -> web.Response:
-        worker_id = request.match_info["worker_id"]
+    def _set_draining(self, worker_id: str, draining: bool) -> Response:
         state = self._pool.get(worker_id)
         if state is None:
             return error_response(404, f"unknown worker {worker_id!r}", "worker_id")
         state.draining = draining
         return _json({"id": worker_id, "draining": draining, "inflight": state.inflight})
 
-    async def decisions(self, request: web.Request) -> web.Response:
+    async def _decisions(self, request: Request, _: str) -> Response:
         try:
             limit = int(request.query.get("limit", "100"))
         except ValueError:
@@ -109,21 +111,33 @@ class Admin:
             return error_response(400, "limit must be at least 1", "limit")
         return _json({"decisions": self._events.recent(limit)})
 
-    async def get_policy(self, request: web.Request) -> web.Response:
+    async def _get_policy(self, request: Request, _: str) -> Response:
         return _json({"name": self._policy.name})
 
-    async def put_policy(self, request: web.Request) -> web.Response:
+    async def _put_policy(self, request: Request, _: str) -> Response:
         try:
-            update = msgspec.json.decode(await request.read(), type=PolicyUpdate)
+            update = msgspec.json.decode(request.body, type=PolicyUpdate)
             policy = create_policy(update.name, update.params)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return error_response(400, f"invalid policy update: {exc}")
         except PolicyConfigError as exc:
             return error_response(400, str(exc), "params")
-        # One assignment: turns already placed keep the policy object they were decided with.
+        # No await between the two stores: turns already placed keep the policy they used.
         self._policy.policy, self._policy.name = policy, update.name
         return _json({"name": update.name, "params": update.params})
 
 
-def _json(payload: Any) -> web.Response:
-    return web.Response(body=_encode(payload), content_type="application/json")
+def _match(rest: str) -> tuple[str, str | None]:
+    """`sessions/ID` -> ("sessions", ID); `workers/ID/drain` -> ("workers/drain", ID)."""
+    parts = rest.split("/")
+    if len(parts) == 1:
+        return parts[0], None
+    if len(parts) == 2 and parts[1]:
+        return parts[0], parts[1]
+    if len(parts) == 3 and parts[1]:
+        return f"{parts[0]}/{parts[2]}", parts[1]
+    return rest, None
+
+
+def _json(payload: Any) -> Response:
+    return Response(200, _encode(payload))

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
 import msgspec
-from aiohttp import web
 
 from policies import create_policy
 from router.admin import Admin
@@ -17,6 +17,8 @@ from router.embedded_redis import EmbeddedRedis
 from router.errors import error_response
 from router.events import EventLog, StageClock
 from router.execute import Executor
+from router.http import Request, Response, StreamWriter
+from router.legs import LegRunner
 from router.metrics import RouterMetrics
 from router.proxy import PolicyHolder, TurnPipeline
 from router.state import SharedState, StateConfig, WorkerRecord
@@ -29,7 +31,7 @@ _encode = msgspec.json.Encoder().encode
 
 
 class Router:
-    """One router replica. `start()` brings everything up; `app` is the aiohttp application."""
+    """One router replica. `start()` brings everything up; `handle` serves every request."""
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
@@ -47,17 +49,12 @@ class Router:
         self.scraper: Scraper | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._models: dict[str, dict[str, Any]] = {}
-        self.app = web.Application(
-            client_max_size=config.max_body_bytes, middlewares=[_openai_errors]
-        )
-        self.app.on_startup.append(self._on_startup)
-        self.app.on_cleanup.append(self._on_cleanup)
-
-    async def _on_startup(self, app: web.Application) -> None:
-        await self.start()
-
-    async def _on_cleanup(self, app: web.Application) -> None:
-        await self.stop()
+        self._endpoints: dict[str, Callable[[], Awaitable[Response]]] = {
+            "/v1/models": self._list_models,
+            "/health": self._health,
+            "/ready": self._ready,
+            "/metrics": self._metrics,
+        }
 
     async def start(self) -> None:
         config = self.config
@@ -83,26 +80,14 @@ class Router:
         self.scraper.start()
         await self._refresh_models()
         self._tasks.append(asyncio.create_task(self._models_loop()))
-        executor = Executor(
-            config, self.pool, self.state, self.clock, self._on_upstream_error, self.metrics
-        )
+        legs = LegRunner(self.pool, self.state, self.metrics, self.clock,
+                         self._on_upstream_error)  # fmt: skip
+        executor = Executor(config, legs, self.state, self.clock)
         self.pipeline = TurnPipeline(
             config, self.pool, self.state, self.policy, self.metrics, self.events, executor,
             self.clock, self._mark_failed,
         )  # fmt: skip
-        self._add_routes()
-
-    def _add_routes(self) -> None:
-        assert self.state is not None
-        router = self.app.router
-        router.add_post("/v1/chat/completions", self._chat)
-        router.add_post("/v1/completions", self._completions)
-        router.add_get("/v1/models", self._list_models)
-        router.add_get("/health", self._health)
-        router.add_get("/ready", self._ready)
-        router.add_get("/metrics", self._metrics)
-        Admin(self.config.admin_token, self.pool, self.state, self.events,
-              self.policy).add_routes(self.app)  # fmt: skip
+        self.admin = Admin(config.admin_token, self.pool, self.state, self.events, self.policy)
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -171,7 +156,7 @@ class Router:
             except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError):
                 return
             models = [m for m in data.get("data", []) if isinstance(m, dict) and "id" in m]
-            self.pool.workers[worker_id].models = tuple(str(m["id"]) for m in models)
+            self.pool.set_models(worker_id, tuple(str(m["id"]) for m in models))
             for model in models:
                 self._models.setdefault(str(model["id"]), model)
 
@@ -188,45 +173,39 @@ class Router:
             await self._refresh_models()
 
     # -- endpoints --------------------------------------------------------------------------
-    async def _chat(self, request: web.Request) -> web.StreamResponse:
-        return await self.pipeline.handle(request, chat=True)
+    async def handle(self, request: Request, writer: StreamWriter) -> Response | None:
+        """The HTTP server's one handler: turns, the OpenAI listing, health, metrics, admin."""
+        path, method = request.path, request.method
+        if path == "/v1/chat/completions" or path == "/v1/completions":
+            if method != "POST":
+                return error_response(405, f"method {method} not allowed")
+            return await self.pipeline.handle(request, writer, chat=path == "/v1/chat/completions")
+        if path.startswith(Admin.PREFIX):
+            return await self.admin.handle(request)
+        endpoint = self._endpoints.get(path)
+        if endpoint is None:
+            return error_response(404, f"{path} not found")
+        if method not in ("GET", "HEAD"):
+            return error_response(405, f"method {method} not allowed")
+        return await endpoint()
 
-    async def _completions(self, request: web.Request) -> web.StreamResponse:
-        return await self.pipeline.handle(request, chat=False)
-
-    async def _list_models(self, request: web.Request) -> web.Response:
+    async def _list_models(self) -> Response:
         names = self.pool.model_names()
         data = [self._models[name] for name in names if name in self._models]
-        return web.Response(body=_encode({"object": "list", "data": data}),
-                            content_type="application/json")  # fmt: skip
+        return Response(200, _encode({"object": "list", "data": data}))
 
-    async def _health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
+    async def _health(self) -> Response:
+        return Response(200, b'{"status":"ok"}')
 
-    async def _ready(self, request: web.Request) -> web.Response:
+    async def _ready(self) -> Response:
         assert self.state is not None
         redis_ok = await self.state.ping()
         healthy = self.pool.healthy_count()
         body = {"redis": redis_ok, "healthy_workers": healthy, "degraded": self.state.degraded}
-        return web.json_response(body, status=200 if redis_ok and healthy > 0 else 503)
+        return Response(200 if redis_ok and healthy > 0 else 503, _encode(body))
 
-    async def _metrics(self, request: web.Request) -> web.Response:
+    async def _metrics(self) -> Response:
         if self.state is not None:
             for (src, dst), link in self.state.link_views().items():
                 self.metrics.set_link(src, dst, link.handoff_bytes, link.migration_bytes)
-        return web.Response(body=self.metrics.render(),
-                            headers={"Content-Type": self.metrics.content_type})  # fmt: skip
-
-
-@web.middleware
-async def _openai_errors(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Every error the framework raises (404, 405, 413) in the OpenAI shape."""
-    try:
-        response: web.StreamResponse = await handler(request)
-        return response
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        message = {404: f"{request.path} not found", 405: f"method {request.method} not allowed",
-                   413: "request body too large"}.get(exc.status, exc.reason)  # fmt: skip
-        return error_response(exc.status, message)
+        return Response(200, self.metrics.render(), content_type=self.metrics.content_type)

@@ -13,32 +13,29 @@ from router.config import ConfigError, RouterConfig, add_serve_options, load_con
 
 async def serve(config: RouterConfig, announce: bool = True) -> None:
     """Run one router replica until SIGINT or SIGTERM; turns in flight finish first."""
-    from aiohttp import web
-
     from router.app import Router
+    from router.http import HttpServer
 
     router = Router(config)
-    runner = web.AppRunner(
-        router.app, handler_cancellation=True, access_log=None, shutdown_timeout=10.0
-    )
-    await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port, backlog=2048, reuse_address=True)
-    await site.start()
-    if announce:
-        workers = ", ".join(f"{w.worker_id} ({w.role})" for w in config.workers)
-        print(
-            f"session-router listening on http://{config.host}:{config.port} "
-            f"policy={config.policy.name} redis={config.redis} workers: {workers}",
-            flush=True,
-        )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
+    await router.start()
+    server = HttpServer(router.handle, max_body_bytes=config.max_body_bytes)
     try:
+        await server.start(config.host, config.port)
+        if announce:
+            workers = ", ".join(f"{w.worker_id} ({w.role})" for w in config.workers)
+            print(
+                f"session-router listening on http://{config.host}:{config.port} "
+                f"policy={config.policy.name} redis={config.redis} workers: {workers}",
+                flush=True,
+            )
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, stop.set)
         await stop.wait()
     finally:
-        await runner.cleanup()
+        await server.close(grace_s=10.0)
+        await router.stop()
 
 
 def _run_serve(args: argparse.Namespace) -> int:

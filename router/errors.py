@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 
 import msgspec
-from aiohttp import web
+
+from router.http import Response
 
 _TYPES = {
     400: "invalid_request_error",
@@ -41,16 +42,11 @@ def error_response(
     param: str | None = None,
     retry_after_s: float | None = None,
     headers: dict[str, str] | None = None,
-) -> web.Response:
+) -> Response:
     all_headers = dict(headers or {})
     if retry_after_s is not None:
         all_headers["Retry-After"] = str(max(1, math.ceil(retry_after_s)))
-    return web.Response(
-        status=status,
-        body=error_payload(status, message, param),
-        content_type="application/json",
-        headers=all_headers,
-    )
+    return Response(status, error_payload(status, message, param), all_headers)
 
 
 def stream_error_frames(status: int, message: str) -> bytes:
@@ -74,5 +70,5 @@ class RouterError(Exception):
         self.param = param
         self.retry_after_s = retry_after_s
 
-    def response(self, headers: dict[str, str] | None = None) -> web.Response:
+    def response(self, headers: dict[str, str] | None = None) -> Response:
         return error_response(self.status, self.message, self.param, self.retry_after_s, headers)

@@ -13,8 +13,6 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from aiohttp import web
-
 from policies.base import Policy
 from policies.types import (
     ClusterView,
@@ -28,9 +26,11 @@ from policies.types import (
     action_of,
 )
 from router.config import RouterConfig
-from router.errors import RouterError
+from router.errors import RouterError, stream_error_frames
 from router.events import EventLog, StageClock, StageEvents
-from router.execute import Executor, TurnContext, WorkerUnreachable
+from router.execute import Executor
+from router.http import Request, Response, StreamWriter
+from router.legs import TurnContext, WorkerUnreachable
 from router.metrics import RouterMetrics
 from router.state import UNKNOWN, SessionRecord, SharedState
 from router.turn_fields import TokenEstimator, decode_routing_fields, session_identity, text_size
@@ -75,22 +75,19 @@ class TurnPipeline:
         self.tokens = TokenEstimator()
         self._background: set[asyncio.Future[Any]] = set()
 
-    async def handle(self, request: web.Request, chat: bool) -> web.StreamResponse:
+    async def handle(self, request: Request, writer: StreamWriter, chat: bool) -> Response | None:
+        """One turn; returns the reply, or None when it was streamed through `writer`."""
         admitted = self._clock.now()
-        request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         events = StageEvents(request_id=request_id, session_id="", admitted=admitted,
                              first_token_convention=self._config.first_token)  # fmt: skip
         ctx: TurnContext | None = None
         try:
-            ctx = await self._admit(request, chat, request_id, events)
+            ctx = await self._admit(request, writer, chat, request_id, events)
             response = await self._place_and_run(ctx)
-            events.http_status = response.status
-            if ctx.failed_midstream:
-                events.outcome = "error"
-            elif response.status == 200:
-                events.outcome = "completed"
-            else:
-                events.outcome = "error"
+            status = 200 if response is None else response.status
+            events.http_status = status
+            events.outcome = "completed" if status == 200 and not ctx.failed_midstream else "error"
             return response
         except RouterError as exc:
             events.outcome = "rejected" if exc.status == 429 else "error"
@@ -100,10 +97,12 @@ class TurnPipeline:
                 self._metrics.rejected("policy")
             elif exc.status == 503:
                 self._metrics.rejected("no_worker")
-            headers = {"X-Request-Id": request_id}
-            if ctx is not None and ctx.response is not None and ctx.response.prepared:
-                return ctx.response
-            return exc.response(headers)
+            if writer.started:  # the stream is committed: end it with an error event
+                if not writer.ended:
+                    await writer.write(stream_error_frames(exc.status, exc.message))
+                    await writer.end()
+                return None
+            return exc.response({"X-Request-Id": request_id})
         except (asyncio.CancelledError, ConnectionResetError):
             events.outcome = "cancelled"
             self._metrics.client_disconnect()
@@ -113,20 +112,20 @@ class TurnPipeline:
             self._finish(ctx, events)
 
     async def _admit(
-        self, request: web.Request, chat: bool, request_id: str, events: StageEvents
+        self,
+        request: Request,
+        writer: StreamWriter,
+        chat: bool,
+        request_id: str,
+        events: StageEvents,
     ) -> TurnContext:
         self._check_api_key(request)
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge as exc:
-            raise RouterError(
-                413, f"request body over {self._config.max_body_bytes} bytes"
-            ) from exc
+        raw = request.body  # the server already refused bodies over --max-body-bytes (413)
         fields = decode_routing_fields(raw, chat)
         models = self._pool.model_names()
         if fields.model is not None and models and fields.model not in models:
             raise RouterError(404, f"The model `{fields.model}` does not exist.", "model")
-        session_id = session_identity(request.headers.get("X-Session-ID"), fields)
+        session_id = session_identity(request.headers.get("x-session-id"), fields)
         events.session_id = session_id
         record = self._state.cached_session(session_id)
         if record is UNKNOWN:
@@ -148,28 +147,29 @@ class TurnPipeline:
             arrival_s=time.monotonic(),
         )
         headers = {"X-Request-Id": request_id, "Content-Type": "application/json"}
-        if self._config.forward_auth and "Authorization" in request.headers:
-            headers["Authorization"] = request.headers["Authorization"]
-        return TurnContext(request=request, chat=chat, raw=raw, fields=fields,
+        authorization = request.headers.get("authorization")
+        if self._config.forward_auth and authorization is not None:
+            headers["Authorization"] = authorization
+        return TurnContext(writer=writer, chat=chat, raw=raw, fields=fields,
                            session_id=session_id, request_id=request_id, turn=turn,
                            record=record, events=events, headers=headers)  # fmt: skip
 
-    def _check_api_key(self, request: web.Request) -> None:
+    def _check_api_key(self, request: Request) -> None:
         if self._config.api_key is None:
             return
-        if request.headers.get("Authorization") != f"Bearer {self._config.api_key}":
+        if request.headers.get("authorization") != f"Bearer {self._config.api_key}":
             raise RouterError(401, "Incorrect API key provided.")
 
-    def _objectives(self, request: web.Request, prompt_tokens: int) -> Objectives:
+    def _objectives(self, request: Request, prompt_tokens: int) -> Objectives:
         ttft = self._config.slo_ttft_ms
         if ttft is None:
             ttft = 1000.0 + 0.2 * prompt_tokens
         itl = self._config.slo_itl_ms
         try:
-            if "X-SLO-TTFT-Ms" in request.headers:
-                ttft = float(request.headers["X-SLO-TTFT-Ms"])
-            if "X-SLO-ITL-Ms" in request.headers:
-                itl = float(request.headers["X-SLO-ITL-Ms"])
+            if "x-slo-ttft-ms" in request.headers:
+                ttft = float(request.headers["x-slo-ttft-ms"])
+            if "x-slo-itl-ms" in request.headers:
+                itl = float(request.headers["x-slo-itl-ms"])
         except ValueError as exc:
             raise RouterError(400, f"objective headers must be numbers: {exc}") from exc
         if ttft <= 0 or itl <= 0:
@@ -221,7 +221,7 @@ class TurnPipeline:
             events.recomputed_tokens = ctx.record.tokens
         return decision
 
-    async def _place_and_run(self, ctx: TurnContext) -> web.StreamResponse:
+    async def _place_and_run(self, ctx: TurnContext) -> Response | None:
         if self._pool.healthy_count() == 0:
             raise RouterError(503, "no healthy worker is available", retry_after_s=1.0)
         for attempt in range(2):

@@ -10,11 +10,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import aiohttp
 import msgspec
-from aiohttp import web
 
 from router.errors import stream_error_frames
+from router.http import StreamWriter, UpstreamError, UpstreamResponse
 
 _SEP = b"\n\n"
 _DONE = b"data: [DONE]"
@@ -68,7 +67,7 @@ class StreamRelay:
     """Copies one upstream SSE stream to an already prepared client response."""
 
     def __init__(
-        self, downstream: web.StreamResponse, forward_usage: bool, drop_first_content: bool = False
+        self, downstream: StreamWriter, forward_usage: bool, drop_first_content: bool = False
     ) -> None:
         self._downstream = downstream
         self._forward_usage = forward_usage
@@ -77,11 +76,11 @@ class StreamRelay:
         self._drop_role = drop_first_content
         self.result = RelayResult()
 
-    async def run(self, upstream: aiohttp.ClientResponse) -> RelayResult:
+    async def run(self, upstream: UpstreamResponse) -> RelayResult:
         result = self.result
         pending = b""
         try:
-            async for data in upstream.content.iter_any():
+            async for data in upstream:
                 pending += data
                 if _SEP not in pending:
                     continue
@@ -89,9 +88,8 @@ class StreamRelay:
                 out = self._filter(frames)
                 if out:
                     await self._downstream.write(out)
-        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError,
-                aiohttp.ClientOSError, TimeoutError) as exc:  # fmt: skip
-            result.error = f"worker stream failed: {type(exc).__name__}"
+        except (UpstreamError, TimeoutError) as exc:
+            result.error = f"worker stream failed: {exc or type(exc).__name__}"
         if not result.completed and result.error is None:
             result.error = "worker closed the stream before it finished"
         if result.error is not None and not result.completed:

@@ -13,6 +13,7 @@ import aiohttp
 
 from policies.types import WorkerView
 from router.config import WorkerSpec
+from router.http import UpstreamPool
 from router.telemetry import WorkerLoad
 
 
@@ -32,11 +33,17 @@ class WorkerPool:
     def __init__(self, specs: Iterable[WorkerSpec]) -> None:
         self.workers: dict[str, WorkerState] = {spec.worker_id: WorkerState(spec) for spec in specs}
         self._session: aiohttp.ClientSession | None = None
+        self._upstream: UpstreamPool | None = None
+        # read on every turn: kept current where they change, not recounted per request
+        self._healthy_count = len(self.workers)
+        self._model_names: list[str] = []
 
     def open_session(self, connect_timeout_s: float) -> aiohttp.ClientSession:
-        # One pooled session for the whole worker set: keep-alive connections, no per-host
-        # limit (the workers' own queues are the admission control), TCP_NODELAY on every
-        # connection (aiohttp sets it), and no environment proxies.
+        """Open the pooled clients: `upstream` carries turns (lean, keep-alive, TCP_NODELAY),
+        the returned aiohttp session scrapes metrics and lists models, off the turn's path."""
+        self._upstream = UpstreamPool(connect_timeout_s=connect_timeout_s)
+        # No per-host limit (the workers' own queues are the admission control) and no
+        # environment proxies.
         connector = aiohttp.TCPConnector(
             limit=0,
             limit_per_host=0,
@@ -54,12 +61,21 @@ class WorkerPool:
         return self._session
 
     @property
+    def upstream(self) -> UpstreamPool:
+        if self._upstream is None:
+            raise RuntimeError("worker pool not open")
+        return self._upstream
+
+    @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
             raise RuntimeError("worker pool session not open")
         return self._session
 
     async def close(self) -> None:
+        if self._upstream is not None:
+            await self._upstream.close()
+            self._upstream = None
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -74,19 +90,25 @@ class WorkerPool:
         state = self.workers.get(worker_id)
         if state is None:
             return
-        state.healthy = healthy
+        if state.healthy != healthy:
+            state.healthy = healthy
+            self._healthy_count = sum(1 for s in self.workers.values() if s.healthy)
         if load is not None:
             state.load = load
 
     def healthy_count(self) -> int:
-        return sum(1 for state in self.workers.values() if state.healthy)
+        return self._healthy_count
 
     def model_names(self) -> list[str]:
+        return self._model_names
+
+    def set_models(self, worker_id: str, models: tuple[str, ...]) -> None:
+        self.workers[worker_id].models = models
         names: dict[str, None] = {}
         for state in self.workers.values():
             for name in state.models:
                 names.setdefault(name)
-        return list(names)
+        self._model_names = list(names)
 
     def views(self, fleet_inflight: Mapping[str, int], now: float) -> tuple[WorkerView, ...]:
         """The policy's view of every worker, with the fleet's in-flight counts."""

@@ -187,3 +187,20 @@ async def test_replicas_see_each_others_in_flight_counts_and_link_reservations(
     assert response.status == 200 and usage["completion_tokens"] == 4
     assert reserved >= 800 * 131072  # the first replica's handoff, seen by the second
     assert inflight >= 1
+
+
+async def test_completions_endpoint_streams_and_answers_through_the_router(
+    sim4: SimCluster, start_router: StartRouter
+) -> None:
+    router = start_router(*workers_args(sim4.urls[:1]))
+    body = {"prompt": "once upon a time", "max_tokens": 5}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(router.url + "/v1/completions", json=body) as response:
+            whole = await response.json()
+        async with http.post(router.url + "/v1/completions",
+                             json={**body, "stream": True}) as response:  # fmt: skip
+            frames = [line async for line in response.content if line.startswith(b"data: ")]
+    assert whole["object"] == "text_completion" and len(whole["choices"][0]["text"].split()) == 5
+    assert whole["usage"]["prompt_tokens"] == 4
+    assert frames[-1].strip() == b"data: [DONE]"
+    assert sum(b'"text":' in frame for frame in frames) == 5

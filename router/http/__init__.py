@@ -1,0 +1,26 @@
+"""The router's HTTP/1.1 data path: a lean server for clients and a pooled client for workers,
+both asyncio protocols over httptools."""
+
+from router.http.client import (
+    UpstreamBodyError,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamPool,
+    UpstreamResponse,
+)
+from router.http.headers import Headers, Request, Response
+from router.http.server import Handler, HttpServer, StreamWriter
+
+__all__ = [
+    "Handler",
+    "Headers",
+    "HttpServer",
+    "Request",
+    "Response",
+    "StreamWriter",
+    "UpstreamBodyError",
+    "UpstreamConnectError",
+    "UpstreamError",
+    "UpstreamPool",
+    "UpstreamResponse",
+]

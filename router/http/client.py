@@ -1,0 +1,404 @@
+"""Upstream HTTP/1.1 client for the router's data path: a keep-alive pool over httptools.
+
+Each `_Upstream` protocol is one TCP connection carrying one exchange at a time: it parses the
+response with httptools and buffers body bytes for the `UpstreamResponse` reading them. Past
+`_HIGH_WATER` buffered bytes it stops reading the socket, so a slow consumer slows the worker's
+socket instead of growing memory. A connection goes back to the pool only once its response
+body was read to the end; a response abandoned, failed or cancelled earlier closes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator, Mapping
+from typing import cast
+from urllib.parse import urlsplit
+
+import httptools
+
+from router.http.headers import Headers, is_bodiless, request_head, set_nodelay
+
+_HIGH_WATER = 64 * 1024  # buffered body bytes per response before the socket is paused
+
+
+class UpstreamError(Exception):
+    """The upstream request failed."""
+
+
+class UpstreamConnectError(UpstreamError):
+    """Refused, timed out, reset or closed before any response byte: safe to retry elsewhere."""
+
+
+class UpstreamBodyError(UpstreamError):
+    """The connection failed after the response started."""
+
+
+class _StaleConnection(Exception):
+    """A reused keep-alive connection closed before any response byte."""
+
+
+class _Upstream(asyncio.Protocol):
+    """One connection to a worker and the state of the exchange it is carrying."""
+
+    def __init__(self, pool: UpstreamPool, key: tuple[str, int]) -> None:
+        self.pool = pool
+        self.key = key
+        self.transport: asyncio.Transport = None  # type: ignore[assignment]  # set at once
+        self.parser = httptools.HttpResponseParser(self)
+        self.closed = False
+        self.reusable = True
+        self.reused = False
+        self.idle_since = 0.0
+        self._reading_paused = False
+        self.busy = False  # an exchange is in progress; the fields below describe it
+        self.head: asyncio.Future[None] | None = None
+        self.head_only = self.got_bytes = self.informational = self.close_delimited = False
+        self.complete = self.keep_alive = False
+        self.status = 0
+        self.raw_headers: list[tuple[bytes, bytes]] = []
+        self.headers = Headers()
+        self.chunks: list[bytes] = []
+        self.buffered = 0
+        self.error: UpstreamError | None = None
+        self.waiter: asyncio.Future[None] | None = None
+
+    async def exchange(self, payload: bytes, body: bytes, head_only: bool) -> UpstreamResponse:
+        """Send a request and wait for its status line and headers."""
+        self.busy = True
+        head = self.head = self.pool.loop.create_future()
+        self.head_only = head_only
+        self.got_bytes = self.informational = self.close_delimited = False
+        self.complete = self.keep_alive = False
+        self.error = None
+        self.chunks = []
+        self.buffered = 0
+        if body:
+            self.transport.writelines((payload, body))  # one send; uvloop copies nothing
+        else:
+            self.transport.write(payload)
+        try:
+            await head
+        except BaseException:
+            self.abort()  # failed, or the caller was cancelled: nobody will read this connection
+            raise
+        return UpstreamResponse(self)
+
+    def take(self) -> bytes:
+        """All buffered body bytes; reading resumes as the buffer is empty again."""
+        chunks, self.chunks, self.buffered = self.chunks, [], 0
+        if self._reading_paused and not self.closed:
+            self._reading_paused = False
+            self.transport.resume_reading()
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def wake(self) -> None:
+        waiter, self.waiter = self.waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def fail(self, error: Exception) -> None:
+        if self.head is not None and not self.head.done():
+            self.head.set_exception(error)
+        elif isinstance(error, UpstreamError) and self.error is None:
+            self.error = error
+            self.wake()
+
+    def abort(self) -> None:
+        self.reusable = False
+        if not self.closed:
+            self.transport.abort()
+
+    # -- transport callbacks
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass of it
+        set_nodelay(transport)
+        self.pool.connections.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        if not self.busy or self.complete:
+            self.abort()  # bytes nobody asked for: the connection cannot be trusted any more
+            return
+        self.got_bytes = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self.reusable = False  # a protocol switch: what follows is not HTTP/1.1
+        except httptools.HttpParserError as exc:
+            if not self.complete:  # else: junk after a complete response, which stands
+                self.fail(UpstreamBodyError(f"malformed response from upstream: {exc}"))
+            self.abort()
+            return
+        if self.buffered > _HIGH_WATER and not self._reading_paused and not self.closed:
+            self._reading_paused = True
+            self.transport.pause_reading()
+
+    def eof_received(self) -> bool | None:
+        return None  # close; connection_lost settles the exchange
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.pool.forget(self)
+        if not self.busy or self.complete:
+            return
+        if self.close_delimited and exc is None and self.status:
+            self.complete = True  # EOF is how this body ends
+            self.wake()
+        elif not self.got_bytes:
+            reason = f"upstream closed the connection before responding ({exc or 'EOF'})"
+            self.fail(_StaleConnection(reason) if self.reused else UpstreamConnectError(reason))
+        else:
+            self.fail(UpstreamBodyError(f"upstream connection lost mid-response: {exc}"))
+
+    # -- parser callbacks
+    def on_message_begin(self) -> None:
+        if self.complete:
+            raise UpstreamBodyError("upstream sent a second response")
+        self.raw_headers = []
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.raw_headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        status = self.parser.get_status_code()
+        if 100 <= status < 200 and status != 101:
+            self.informational = True  # e.g. 100 Continue; the real response follows
+            return
+        self.status = status
+        headers = self.headers = Headers.from_raw(self.raw_headers)
+        if self.head_only:
+            self.complete = True  # the parser would wait for the body HEAD never gets
+            self.reusable = False
+        elif (
+            "content-length" not in headers
+            and "chunked" not in headers.get("transfer-encoding", "").lower()
+            and not is_bodiless(status)
+        ):
+            self.close_delimited = True
+        if self.head is not None and not self.head.done():
+            self.head.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        self.chunks.append(body)
+        self.buffered += len(body)
+        if self.waiter is not None:
+            self.wake()
+
+    def on_message_complete(self) -> None:
+        if self.informational:
+            self.informational = False
+            return
+        self.keep_alive = self.parser.should_keep_alive()
+        self.complete = True
+        self.wake()
+
+
+class UpstreamResponse:
+    """Status and headers of an upstream response; the body is read with read() or
+    iter_chunks(). Dropped before its body was read to the end, it closes the connection."""
+
+    __slots__ = ("_conn", "_finished", "headers", "status")
+
+    def __init__(self, conn: _Upstream) -> None:
+        self._conn = conn
+        self._finished = False
+        self.status = conn.status
+        self.headers = conn.headers
+
+    async def read(self) -> bytes:
+        """The whole body, de-chunked."""
+        parts = []
+        while chunk := await self._next():
+            parts.append(chunk)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def iter_chunks(self) -> AsyncIterator[bytes]:
+        """Body bytes as they arrive (all that is buffered, per step) until the body ends."""
+        return self
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self
+
+    async def __anext__(self) -> bytes:
+        chunk = await self._next()
+        if not chunk:
+            raise StopAsyncIteration
+        return chunk
+
+    def close(self) -> None:
+        """Abandon the response: unless its body was read to the end, close the connection."""
+        if not self._finished:
+            self._finished = True
+            self._conn.abort()
+
+    def __del__(self) -> None:
+        if not self._finished:
+            self._finished = True
+            try:
+                self._conn.abort()
+            except RuntimeError:
+                pass  # the event loop is already closed, and the socket with it
+
+    async def _next(self) -> bytes:
+        """The bytes buffered now (waiting for some), or b"" at the end of the body."""
+        conn = self._conn
+        while not self._finished:
+            if conn.chunks:
+                data = conn.take()
+                if conn.complete:
+                    self._release()
+                return data
+            if conn.error is not None:
+                self.close()
+                raise conn.error
+            if conn.complete:
+                self._release()
+                break
+            waiter = conn.waiter = conn.pool.loop.create_future()
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                self.close()
+                raise
+        return b""
+
+    def _release(self) -> None:
+        self._finished = True
+        conn = self._conn
+        if conn.keep_alive and conn.reusable and not conn.closed:
+            conn.busy = False
+            conn.pool.release(conn)
+        else:
+            conn.abort()
+
+
+class UpstreamPool:
+    """Keep-alive connections per (host, port), reused last-in first-out."""
+
+    def __init__(
+        self,
+        *,
+        connect_timeout_s: float = 2.0,
+        max_idle_per_host: int = 256,
+        idle_timeout_s: float = 60.0,
+    ) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self.max_idle_per_host = max_idle_per_host
+        self.idle_timeout_s = idle_timeout_s
+        self.connections: set[_Upstream] = set()
+        self._idle: dict[tuple[str, int], deque[_Upstream]] = {}  # oldest first
+        self._targets: dict[str, tuple[str, int, str]] = {}
+        self._sweep_timer: asyncio.TimerHandle | None = None
+        self._closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        return self._loop
+
+    async def request(
+        self, base_url: str, method: str, path: str, headers: Mapping[str, str], body: bytes = b""
+    ) -> UpstreamResponse:
+        """Send one request and wait for its status line and headers.
+
+        UpstreamConnectError: nothing came back (refused, timed out, closed before any byte);
+        a reused keep-alive connection found closed is first retried once on a fresh one.
+        UpstreamBodyError: the response broke off or was not HTTP. Neither has a timeout
+        beyond connecting: the caller bounds the wait, and cancelling closes the connection.
+        """
+        if self._closed:
+            raise RuntimeError("UpstreamPool is closed")
+        host, port, host_header = self._target(base_url)
+        payload = request_head(method, path, host_header, headers, len(body))
+        head_only = method == "HEAD"
+        conn = self._acquire((host, port))
+        if conn is not None:
+            try:
+                return await conn.exchange(payload, body, head_only)
+            except _StaleConnection:
+                pass  # a stale keep-alive connection is no worker failure: once more, fresh
+        conn = await self._connect(host, port)
+        return await conn.exchange(payload, body, head_only)
+
+    async def close(self) -> None:
+        """Close every connection, idle or in use."""
+        self._closed = True
+        if self._sweep_timer is not None:
+            self._sweep_timer.cancel()
+            self._sweep_timer = None
+        for conn in list(self.connections):
+            conn.abort()
+        self._idle.clear()
+        await asyncio.sleep(0)  # let the transports run connection_lost
+
+    def _target(self, base_url: str) -> tuple[str, int, str]:
+        target = self._targets.get(base_url)
+        if target is None:
+            parts = urlsplit(base_url)
+            if parts.scheme != "http" or not parts.hostname:
+                raise ValueError(f"unsupported upstream URL {base_url!r} (want http://host:port)")
+            port = parts.port or 80
+            name = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+            target = self._targets[base_url] = (parts.hostname, port, f"{name}:{port}")
+        return target
+
+    async def _connect(self, host: str, port: int) -> _Upstream:
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                _, conn = await self.loop.create_connection(
+                    lambda: _Upstream(self, (host, port)), host, port
+                )
+        except TimeoutError as exc:
+            raise UpstreamConnectError(f"connect to {host}:{port} timed out") from exc
+        except OSError as exc:
+            raise UpstreamConnectError(f"connect to {host}:{port} failed: {exc}") from exc
+        return conn
+
+    def _acquire(self, key: tuple[str, int]) -> _Upstream | None:
+        idle = self._idle.get(key)
+        if not idle:
+            return None
+        expired = self.loop.time() - self.idle_timeout_s
+        while idle:
+            conn = idle.pop()
+            if conn.closed or conn.transport.is_closing():
+                continue
+            if conn.idle_since < expired:
+                conn.abort()
+                continue
+            conn.reused = True
+            return conn
+        return None
+
+    def release(self, conn: _Upstream) -> None:
+        if self._closed or self.max_idle_per_host < 1:
+            conn.abort()
+            return
+        idle = self._idle.get(conn.key)
+        if idle is None:
+            idle = self._idle[conn.key] = deque()
+        if len(idle) >= self.max_idle_per_host:
+            idle.popleft().abort()
+        conn.idle_since = self.loop.time()
+        idle.append(conn)
+        if self._sweep_timer is None:
+            self._sweep_timer = self.loop.call_later(self.idle_timeout_s / 2, self._sweep)
+
+    def forget(self, conn: _Upstream) -> None:
+        self.connections.discard(conn)
+        idle = self._idle.get(conn.key)
+        if idle and conn in idle:
+            idle.remove(conn)
+
+    def _sweep(self) -> None:
+        self._sweep_timer = None
+        expired = self.loop.time() - self.idle_timeout_s
+        remaining = 0
+        for idle in self._idle.values():
+            while idle and idle[0].idle_since < expired:
+                idle.popleft().abort()
+            remaining += len(idle)
+        if remaining:
+            self._sweep_timer = self.loop.call_later(self.idle_timeout_s / 2, self._sweep)

@@ -1,0 +1,357 @@
+"""A lean HTTP/1.1 server for the router's data path: asyncio.Protocol + httptools.
+
+Each connection serves one request at a time; pipelined requests wait in order. A request's
+body is read whole before its handler runs as a task; the handler returns a `Response` or
+streams chunks through its `StreamWriter`. A client that disconnects while its handler runs gets
+that task cancelled at once: this is how the router abandons the upstream request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping
+from typing import cast
+
+from router.http import headers as wire
+from router.http.headers import BadRequest, Headers, Request, RequestReader, Response
+
+_log = logging.getLogger(__name__)
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_CHUNKED = b"Transfer-Encoding: chunked\r\n"
+_CLOSE = b"Connection: close\r\n"
+_KEEP_ALIVE = b"Connection: keep-alive\r\n"
+_LINGER_S = 2.0  # after an error reply, how long the rest of a refused request is discarded
+_CLOSE_FLUSH_S = 1.0  # at close(), how long a closing connection may take to flush
+
+
+class StreamWriter:
+    """Streams one response as HTTP chunks (close-delimited for HTTP/1.0 clients)."""
+
+    __slots__ = ("_conn", "_head_only", "chunked", "ended", "keep_alive", "started")
+
+    def __init__(self, conn: _Connection, request: Request) -> None:
+        self._conn = conn
+        self._head_only = request.method == "HEAD"
+        self.chunked = request.http_version != "1.0"
+        self.keep_alive = request.keep_alive and self.chunked
+        self.started = False
+        self.ended = False
+
+    async def start(self, status: int, headers: Mapping[str, str]) -> None:
+        if self.started:
+            raise RuntimeError("response already started")
+        conn = self._conn
+        if conn.closed:
+            raise ConnectionResetError("client disconnected")
+        self.keep_alive &= not conn.shutting_down
+        tail = (_CHUNKED if self.chunked else b"") + (b"" if self.keep_alive else _CLOSE)
+        head = wire.response_head(status, headers, None, tail)
+        self.started = True
+        conn.transport.write(head)
+        await conn.drain()
+
+    async def write(self, data: bytes) -> None:
+        """Send one chunk; waits while the client reads slower than the handler writes."""
+        if not self.started or self.ended:
+            raise RuntimeError("write() outside start() .. end()")
+        conn = self._conn
+        if conn.closed:
+            raise ConnectionResetError("client disconnected")
+        if data and not self._head_only:  # an empty chunk would end the stream
+            conn.transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
+        if conn.write_paused:
+            await conn.drain()
+
+    async def end(self) -> None:
+        if not self.started:
+            raise RuntimeError("end() before start()")
+        if not self.ended:
+            self.ended = True
+            if self.chunked and not self._head_only and not self._conn.closed:
+                self._conn.transport.write(b"0\r\n\r\n")
+            await self._conn.drain()  # raises ConnectionResetError once the client is gone
+
+
+Handler = Callable[[Request, StreamWriter], Awaitable[Response | None]]
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection: parses requests, runs one handler task at a time."""
+
+    def __init__(self, server: HttpServer) -> None:
+        self._server = server
+        self._loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport = None  # type: ignore[assignment]  # set at once
+        self._reader: RequestReader = None  # type: ignore[assignment]  # set at once
+        self._queue: deque[Request] = deque()  # parsed, waiting for the request in flight
+        self.task: asyncio.Task[None] | None = None
+        self._failure: BadRequest | None = None  # answered once the requests ahead are done
+        self._continue_pending = False
+        self.closed = self.shutting_down = False
+        self._reading_paused = self.write_paused = False
+        self._drain_waiter: asyncio.Future[None] | None = None
+        self._last_activity = self._loop.time()
+        self._idle_timer: asyncio.TimerHandle | None = None
+
+    # -- transport callbacks
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass of it
+        wire.set_nodelay(transport)
+        peer = transport.get_extra_info("peername")
+        remote = peer[0] if isinstance(peer, tuple) else None
+        server = self._server
+        self._reader = RequestReader(
+            server.max_body_bytes, remote, self._on_request, self._on_expect_continue
+        )
+        server.connections.add(self)
+        if server.closing:
+            self.shutting_down = True
+            transport.close()
+        else:
+            self._arm_idle_timer()
+
+    def data_received(self, data: bytes) -> None:
+        if self._failure is not None or self.closed:
+            return  # done for: the error goes out after the requests ahead of it
+        self._last_activity = self._loop.time()
+        try:
+            self._reader.feed(data)
+        except BadRequest as failure:
+            self._fail(failure)
+            return
+        if self.task is not None and (self._queue or self._reader.in_message):
+            self._pause_reading()  # pipelined bytes wait in the kernel, not in our memory
+
+    def eof_received(self) -> bool | None:
+        return None  # a half-closed client counts as gone: close, cancel its handler
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._server.connection_closed(self)
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+        self._queue.clear()
+        if self.task is not None:
+            self.task.cancel()
+        self._wake_writer()
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        self._wake_writer()
+
+    # -- reader callbacks
+    def _on_expect_continue(self) -> None:
+        if self.task is None and not self._queue:
+            self.transport.write(_CONTINUE)
+        else:
+            self._continue_pending = True  # must not cut into the response being written
+
+    def _on_request(self, request: Request) -> None:
+        self._continue_pending = False
+        if self.shutting_down:
+            return  # the connection closes after the request in flight
+        if self.task is None and not self._queue:
+            self.task = self._loop.create_task(self._serve(request))
+        else:
+            self._queue.append(request)
+
+    # -- request lifecycle
+    async def _serve(self, request: Request) -> None:
+        writer = StreamWriter(self, request)
+        keep_alive = request.keep_alive
+        try:
+            response = await self._server.handler(request, writer)
+            if self.closed:
+                return
+            if response is not None:
+                if writer.started:
+                    raise RuntimeError("handler returned a Response after streaming")
+                self._respond(request, response, keep_alive)
+            elif not writer.started:
+                raise RuntimeError("handler returned None without streaming a response")
+            else:
+                await writer.end()  # a handler that forgot end() finished normally all the same
+                keep_alive = writer.keep_alive
+        except asyncio.CancelledError:
+            self._abort()  # server shutdown or a dropped client; nothing half-written may stay
+            raise
+        except Exception:
+            if self.closed:
+                return  # the client left mid-write; there is nobody to answer
+            _log.exception("handler failed for %s %s", request.method, request.path)
+            if writer.started:
+                self._abort()  # the status is out; a truncated stream must not look complete
+                return
+            self._respond(request, _error(500, "internal server error"), keep_alive)
+        finally:
+            self.task = None
+        self._after_response(keep_alive)
+
+    def _respond(self, request: Request, response: Response, keep_alive: bool) -> None:
+        status, body = response.status, response.body
+        bodiless = wire.is_bodiless(status)
+        tail = b"" if bodiless else b"Content-Length: %d\r\n" % len(body)
+        if not keep_alive or self.shutting_down:
+            tail += _CLOSE
+        elif request.http_version == "1.0":
+            tail += _KEEP_ALIVE
+        head = wire.response_head(status, response.headers, response.content_type, tail)
+        send_body = body and not bodiless and request.method != "HEAD"
+        self.transport.write(head + body if send_body else head)
+
+    def _after_response(self, keep_alive: bool) -> None:
+        if self.closed:
+            return
+        if not keep_alive or self.shutting_down:
+            self.transport.close()  # flushes what is buffered first
+        elif self._queue:
+            self.task = self._loop.create_task(self._serve(self._queue.popleft()))
+        elif self._failure is not None:
+            self._send_failure(self._failure)
+        else:
+            if self._continue_pending:
+                self._continue_pending = False
+                self.transport.write(_CONTINUE)
+            if self._reading_paused:
+                self._reading_paused = False
+                self.transport.resume_reading()
+            self._last_activity = self._loop.time()
+            self._arm_idle_timer()
+
+    def _fail(self, failure: BadRequest) -> None:
+        self._failure = failure
+        if self.task is None and not self._queue:
+            self._send_failure(failure)
+        else:
+            self._pause_reading()
+
+    def _send_failure(self, failure: BadRequest) -> None:
+        self._respond(_BLANK_REQUEST, _error(failure.status, str(failure)), keep_alive=False)
+        if not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        # Lingering close: closing with unread request bytes would send a reset that can
+        # destroy the error reply before the client reads it; discard them for a while instead
+        self.transport.write_eof()
+        if self._reading_paused:
+            self._reading_paused = False
+            self.transport.resume_reading()
+        self._loop.call_later(_LINGER_S, self._abort)
+
+    # -- flow control, idle timeout, shutdown
+    async def drain(self) -> None:
+        if self.write_paused and not self.closed:
+            if self._drain_waiter is None:
+                self._drain_waiter = self._loop.create_future()
+            await asyncio.shield(self._drain_waiter)  # shared; one cancelled waiter keeps it
+        if self.closed:
+            raise ConnectionResetError("client disconnected")
+
+    def _wake_writer(self) -> None:
+        waiter, self._drain_waiter = self._drain_waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _pause_reading(self) -> None:
+        if not self._reading_paused and not self.closed:
+            self._reading_paused = True
+            self.transport.pause_reading()
+
+    def _abort(self) -> None:
+        if not self.closed:
+            self.transport.abort()
+
+    def _arm_idle_timer(self) -> None:
+        if self._idle_timer is None:
+            deadline = self._last_activity + self._server.keepalive_timeout_s
+            self._idle_timer = self._loop.call_at(deadline, self._on_idle)
+
+    def _on_idle(self) -> None:
+        self._idle_timer = None
+        if self.closed or self.task is not None or self._queue:
+            return  # re-armed when the connection is idle again
+        if self._loop.time() - self._last_activity >= self._server.keepalive_timeout_s:
+            self.transport.close()
+        else:
+            self._arm_idle_timer()
+
+    def shut_down(self) -> None:
+        """Finish the request in flight (if any), then close."""
+        self.shutting_down = True
+        self._queue.clear()
+        if self.task is None and not self.closed:
+            self.transport.close()
+
+
+_BLANK_REQUEST = Request("GET", "", {}, Headers(), b"", None, "1.1", keep_alive=False)
+
+
+def _error(status: int, message: str) -> Response:
+    return Response(status, wire.error_body(status, message))
+
+
+class HttpServer:
+    """Serves `handler` over HTTP/1.1 with keep-alive and pipelining."""
+
+    def __init__(
+        self,
+        handler: Handler,
+        *,
+        max_body_bytes: int = 32 * 2**20,
+        keepalive_timeout_s: float = 75.0,
+    ) -> None:
+        self.handler = handler
+        self.max_body_bytes = max_body_bytes
+        self.keepalive_timeout_s = keepalive_timeout_s
+        self.connections: set[_Connection] = set()
+        self.closing = False
+        self._server: asyncio.Server | None = None
+        self._all_closed = asyncio.Event()
+
+    async def start(self, host: str, port: int, backlog: int = 2048) -> None:
+        if self._server is not None:
+            raise RuntimeError("server already started")
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            lambda: _Connection(self), host, port, backlog=backlog, reuse_address=True
+        )
+
+    @property
+    def port(self) -> int:
+        if self._server is None or not self._server.sockets:
+            raise RuntimeError("server not started")
+        port: int = self._server.sockets[0].getsockname()[1]
+        return port
+
+    def connection_closed(self, conn: _Connection) -> None:
+        self.connections.discard(conn)
+        if not self.connections:
+            self._all_closed.set()
+
+    async def close(self, grace_s: float = 10.0) -> None:
+        """Stop accepting; let handlers in flight finish within `grace_s`, then cancel them."""
+        if self._server is None or self.closing:
+            return
+        self.closing = True
+        self._server.close()
+        for conn in list(self.connections):
+            conn.shut_down()  # idle ones close now, busy ones after their response
+        busy = [conn.task for conn in self.connections if conn.task is not None]
+        if busy:
+            _, late = await asyncio.wait(busy, timeout=grace_s)
+            for task in late:
+                task.cancel()
+        if self.connections:  # transports still flushing their last bytes to the client
+            self._all_closed.clear()
+            try:
+                await asyncio.wait_for(self._all_closed.wait(), timeout=_CLOSE_FLUSH_S)
+            except TimeoutError:
+                for conn in list(self.connections):
+                    conn.transport.abort()
+        await self._server.wait_closed()
