@@ -7,7 +7,7 @@ share is slightly overstated). With `--profile FILE` the run is profiled with cP
 top functions by own time are printed. Run:
 
     .venv/bin/python -m bench.scripts.des_speed \\
-        --trace /work/shared/traces/mooncake_synthetic_trace.jsonl --policy colocate
+        --trace ../shared/traces/mooncake_synthetic_trace.jsonl --policy colocate
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import cProfile
 import pstats
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -27,7 +28,10 @@ from bench.traces import Trace, load_trace
 from policies import create_policy
 from sim.engine import Engine
 
-DEFAULT_TRACE = "/work/shared/traces/mooncake_synthetic_trace.jsonl"
+# the shared traces lie beside the checkout
+DEFAULT_TRACE = str(
+    Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+)
 
 
 class EngineTimer:

@@ -31,7 +31,10 @@ from bench.outputs import write_run_outputs
 from bench.simulate import plan_runs, run_one
 from bench.traces import Trace, load_trace
 
-DEFAULT_TRACE = "/work/shared/traces/mooncake_synthetic_trace.jsonl"
+# the shared traces lie beside the checkout
+DEFAULT_TRACE = str(
+    Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+)
 LATENCY_TOLERANCE = 0.10
 REJECTED_TOLERANCE = 2
 
