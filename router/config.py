@@ -71,6 +71,7 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     request_timeout_s: float = 600.0
     session_ttl_s: float = 3600.0
     kv_bytes_per_token: int = 131072  # llama-3.1-8b bf16; set for your model
+    tokenizer: str | None = None  # a tokenizer.json for exact prompt token counts
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -93,7 +94,7 @@ _SCALARS: Mapping[str, type] = {
     "admin_token": str, "api_key": str, "forward_auth": bool, "max_body_bytes": int,
     "scrape_interval_ms": int, "events": str, "slo_ttft_ms": float, "slo_itl_ms": float,
     "connect_timeout_s": float, "request_timeout_s": float, "session_ttl_s": float,
-    "kv_bytes_per_token": int, "log_level": str,
+    "kv_bytes_per_token": int, "log_level": str, "tokenizer": str,
 }  # fmt: skip
 
 
@@ -122,6 +123,8 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
     add("--slo-ttft-ms", type=float)
     add("--slo-itl-ms", type=float)
     add("--kv-bytes-per-token", type=int)
+    add("--tokenizer", metavar="FILE",
+        help="tokenizer.json for exact prompt token counts (needs `tokenizers`)")  # fmt: skip
     add("--log-level", choices=["debug", "info", "warning", "error"])
 
 

@@ -75,6 +75,7 @@ class StageEvents(msgspec.Struct):
     last_token: float | None = None
     done: float | None = None
     prompt_tokens: int = 0
+    estimated_prompt_tokens: int = 0  # what the router assumed before the worker's usage
     cached_tokens: int = 0
     completion_tokens: int = 0
     recomputed_tokens: int = 0

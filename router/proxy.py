@@ -33,6 +33,7 @@ from router.http import Request, Response, StreamWriter
 from router.legs import TurnContext, WorkerUnreachable
 from router.metrics import RouterMetrics
 from router.state import UNKNOWN, SessionRecord, SharedState
+from router.tokenizer_file import LocalTokenizer
 from router.turn_fields import TokenEstimator, decode_routing_fields, session_identity, text_size
 from router.workers import WorkerPool
 
@@ -73,6 +74,7 @@ class TurnPipeline:
         self._clock = clock
         self._mark_failed = mark_failed
         self.tokens = TokenEstimator()
+        self._tokenizer = LocalTokenizer(config.tokenizer) if config.tokenizer else None
         self._background: set[asyncio.Future[Any]] = set()
 
     async def handle(self, request: Request, writer: StreamWriter, chat: bool) -> Response | None:
@@ -131,8 +133,11 @@ class TurnPipeline:
         if record is UNKNOWN:
             record = await self._state.load_session(session_id)
         chars, exact = text_size(fields)
+        if self._tokenizer is not None:
+            exact = self._tokenizer.count(fields)
         messages = len(fields.messages or ())
         prompt_tokens = self.tokens.estimate(chars, exact, messages)
+        events.estimated_prompt_tokens = prompt_tokens
         uncached = prompt_tokens
         if record is not None:
             uncached = max(1, prompt_tokens - record.tokens)

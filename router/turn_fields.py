@@ -84,14 +84,14 @@ def session_identity(header: str | None, fields: RoutingFields) -> str:
         for message in fields.messages[:_FINGERPRINT_MESSAGES]:
             digest.update(str(message.get("role", "")).encode())
             digest.update(b"\x00")
-            digest.update(_content_text(message.get("content")).encode())
+            digest.update(content_text(message.get("content")).encode())
             digest.update(b"\x01")
     else:
-        digest.update(_prompt_text(fields.prompt)[:_FINGERPRINT_PROMPT_CHARS].encode())
+        digest.update(prompt_text(fields.prompt)[:_FINGERPRINT_PROMPT_CHARS].encode())
     return "fp:" + digest.hexdigest()
 
 
-def _content_text(content: Any) -> str:
+def content_text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -99,7 +99,7 @@ def _content_text(content: Any) -> str:
     return ""
 
 
-def _prompt_text(prompt: Any) -> str:
+def prompt_text(prompt: Any) -> str:
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, list):
@@ -112,11 +112,11 @@ def _prompt_text(prompt: Any) -> str:
 def text_size(fields: RoutingFields) -> tuple[int, int | None]:
     """(characters of prompt text, exact token count when the prompt is token ids)."""
     if fields.messages is not None:
-        return sum(len(_content_text(m.get("content"))) for m in fields.messages), None
+        return sum(len(content_text(m.get("content"))) for m in fields.messages), None
     prompt = fields.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
         return 0, len(prompt)
-    return len(_prompt_text(prompt)), None
+    return len(prompt_text(prompt)), None
 
 
 class TokenEstimator:

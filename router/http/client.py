@@ -294,20 +294,15 @@ class UpstreamPool:
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
-        if self._loop is None:
-            self._loop = asyncio.get_running_loop()
+        self._loop = self._loop or asyncio.get_running_loop()
         return self._loop
 
     async def request(
         self, base_url: str, method: str, path: str, headers: Mapping[str, str], body: bytes = b""
     ) -> UpstreamResponse:
-        """Send one request and wait for its status line and headers.
-
-        UpstreamConnectError: nothing came back (refused, timed out, closed before any byte);
-        a reused keep-alive connection found closed is first retried once on a fresh one.
-        UpstreamBodyError: the response broke off or was not HTTP. Neither has a timeout
-        beyond connecting: the caller bounds the wait, and cancelling closes the connection.
-        """
+        """Send one request and wait for its status line and headers; only connecting has a
+        timeout (the caller bounds the rest; cancelling closes the connection). A reused
+        connection found closed before any response byte is retried once on a fresh one."""
         if self._closed:
             raise RuntimeError("UpstreamPool is closed")
         host, port, host_header = self._target(base_url)

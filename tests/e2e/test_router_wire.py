@@ -122,3 +122,26 @@ async def test_events_file_gets_one_line_per_turn(
     rows = [json.loads(line) for line in events.read_text().splitlines()]
     assert [row["session_id"] for row in rows] == ["ev-0", "ev-1", "ev-2"]
     assert all(row["outcome"] == "completed" and row["completion_tokens"] == 8 for row in rows)
+
+
+async def test_a_local_tokenizer_file_gives_exact_prompt_counts(
+    sim4: SimCluster, start_router: StartRouter, tmp_path: Path
+) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    # the simulated workers count one token per whitespace word: so does this tokenizer
+    tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    path = tmp_path / "tokenizer.json"
+    tokenizer.save(str(path))
+    router = start_router("--mixed", sim4.urls[0], "--tokenizer", str(path))
+    prompt = " ".join(f"word{i}" for i in range(321))
+    async with aiohttp.ClientSession() as http:
+        async with http.post(router.url + "/v1/completions",
+                             json={"prompt": prompt, "max_tokens": 2}) as response:  # fmt: skip
+            usage = (await response.json())["usage"]
+        _, decisions = await admin_get(http, router.url, router.admin_token,
+                                       "/admin/decisions?limit=1")  # fmt: skip
+    event = decisions["decisions"][0]
+    assert usage["prompt_tokens"] == 321
+    assert event["estimated_prompt_tokens"] == 321
