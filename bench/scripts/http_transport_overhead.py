@@ -16,13 +16,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import re
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -31,6 +27,7 @@ import aiohttp
 import uvloop
 from aiohttp import web
 
+from bench.scripts.loadgen import cpu_seconds, free_port, run_wrk, wait_healthy
 from router.http import HttpServer, Request, Response, StreamWriter, UpstreamPool
 
 _BODY = b'{"model":"fast","prompt":"hello world","max_tokens":16}'
@@ -125,55 +122,10 @@ def _serve(role: str, port: int, upstream: str) -> None:
 
 
 # -- measurement
-def _port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
 def _fetch(url: str, body: bytes | None) -> tuple[int, bytes]:
     request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=5) as response:
         return response.status, response.read()
-
-
-def _wait(url: str) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            _fetch(url + "/health", None)
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"{url} did not come up")
-
-
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _wrk(url: str, connections: int, duration: float, script: str) -> dict[str, float]:
-    out = subprocess.run(
-        ["wrk", "-t1", f"-c{connections}", f"-d{round(duration)}s", "--latency", "-s", script,
-         url + "/v1/completions"],
-        capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
-
-    def latency_us(label: str) -> float:
-        match = re.search(rf"^\s+{label}%\s+([\d.]+)(us|ms|s)\s*$", out, re.M)
-        if match is None:
-            raise RuntimeError(f"no {label}% latency in wrk output:\n{out}")
-        return float(match.group(1)) * {"us": 1.0, "ms": 1e3, "s": 1e6}[match.group(2)]
-
-    rps = re.search(r"Requests/sec:\s+([\d.]+)", out)
-    requests = re.search(r"(\d+) requests in", out)
-    errors = re.search(r"Non-2xx or 3xx responses: (\d+)|Socket errors: (.*)", out)
-    if rps is None or requests is None or errors is not None:
-        raise RuntimeError(f"wrk reported errors or nothing:\n{out}")
-    return {"p50_us": latency_us("50"), "p99_us": latency_us("99"), "rps": float(rps.group(1)),
-            "requests": float(requests.group(1))}  # fmt: skip
 
 
 def _versus(row: dict[str, float], direct: dict[str, float]) -> str:
@@ -209,7 +161,7 @@ def main() -> None:
     if args.role:
         _serve(args.role, args.port, args.upstream)
         return
-    ports = {"direct": _port(), "aiohttp": _port(), "router.http": _port()}
+    ports = {"direct": free_port(), "aiohttp": free_port(), "router.http": free_port()}
     urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
     module = [sys.executable, "-m", "bench.scripts.http_transport_overhead"]
     roles = {"direct": "backend", "aiohttp": "aiohttp-proxy", "router.http": "fast-proxy"}
@@ -225,19 +177,21 @@ def main() -> None:
     procs = {name: subprocess.Popen(command) for name, command in commands.items()}
     try:
         for url in urls.values():
-            _wait(url)
+            wait_healthy(url)
         for name in ("aiohttp", "router.http"):
             _check_relay(urls["direct"], urls[name])
         for url in urls.values():
-            _wrk(url, 4, 2, script.name)  # warm-up
+            run_wrk(url + "/v1/completions", 4, 2, script.name)  # warm-up
         print(f"{'conns':>5} {'path':>12} {'p50 us':>8} {'p99 us':>8} {'req/s':>9} "
               f"{'+p50 us':>8} {'+p99 us':>8} {'x direct':>8} {'CPU us/req':>10}")  # fmt: skip
         for connections in (1, 32):
             rows: dict[str, dict[str, float]] = {}
             for name, url in urls.items():
-                cpu_before = _cpu_seconds(procs[name].pid)
-                row = rows[name] = _wrk(url, connections, args.duration, script.name)
-                cpu_us = (_cpu_seconds(procs[name].pid) - cpu_before) / row["requests"] * 1e6
+                cpu_before = cpu_seconds(procs[name].pid)
+                row = rows[name] = run_wrk(
+                    url + "/v1/completions", connections, args.duration, script.name
+                )
+                cpu_us = (cpu_seconds(procs[name].pid) - cpu_before) / row["requests"] * 1e6
                 versus = _versus(row, rows["direct"])
                 print(f"{connections:>5} {name:>12} {row['p50_us']:>8.0f} {row['p99_us']:>8.0f} "
                       f"{row['rps']:>9.0f} {versus} {cpu_us:>10.0f}")  # fmt: skip

@@ -12,18 +12,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import re
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
-from pathlib import Path
 
 import aiohttp
+
+from bench.scripts.loadgen import cpu_seconds, free_port, run_wrk, wait_healthy
 
 _BODY = '{"model":"fast","prompt":"hello world","max_tokens":16}'
 _WRK_SCRIPT = f"""wrk.method = "POST"
@@ -31,50 +28,6 @@ wrk.body = '{_BODY}'
 wrk.headers["Content-Type"] = "application/json"
 wrk.headers["X-Session-ID"] = "bench-session"
 """
-
-
-def _port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
-def _wait(url: str) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=1):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"{url} did not come up")
-
-
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _wrk(url: str, connections: int, duration: float, script: str) -> dict[str, float]:
-    out = subprocess.run(
-        ["wrk", "-t1", f"-c{connections}", f"-d{round(duration)}s", "--latency", "-s", script,
-         url + "/v1/completions"],
-        capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
-
-    def latency_us(label: str) -> float:
-        match = re.search(rf"^\s+{label}%\s+([\d.]+)(us|ms|s)\s*$", out, re.M)
-        if match is None:
-            raise RuntimeError(f"no {label}% latency in wrk output:\n{out}")
-        scale = {"us": 1.0, "ms": 1e3, "s": 1e6}[match.group(2)]
-        return float(match.group(1)) * scale
-
-    rps = re.search(r"Requests/sec:\s+([\d.]+)", out)
-    requests = re.search(r"(\d+) requests in", out)
-    assert rps is not None and requests is not None
-    return {"p50_us": latency_us("50"), "p99_us": latency_us("99"),
-            "rps": float(rps.group(1)), "requests": float(requests.group(1))}  # fmt: skip
 
 
 async def _stream_ttft(url: str, n: int) -> tuple[float, int]:
@@ -104,7 +57,7 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=300)
     parser.add_argument("--chunks", type=int, default=16)
     args = parser.parse_args()
-    backend_port, router_port = _port(), _port()
+    backend_port, router_port = free_port(), free_port()
     backend_url = f"http://127.0.0.1:{backend_port}"
     router_url = f"http://127.0.0.1:{router_port}"
     procs = [
@@ -115,19 +68,23 @@ def main() -> None:
                           "--log-level", "warning"], stdout=subprocess.DEVNULL),
     ]  # fmt: skip
     try:
-        _wait(backend_url + "/health")
-        _wait(router_url + "/health")
+        wait_healthy(backend_url)
+        wait_healthy(router_url)
         router_pid = procs[1].pid
         with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
             script.write(_WRK_SCRIPT)
-        _wrk(router_url, 4, 2, script.name)  # warm both paths up
-        _wrk(backend_url, 4, 2, script.name)
+        run_wrk(router_url + "/v1/completions", 4, 2, script.name)  # warm both paths up
+        run_wrk(backend_url + "/v1/completions", 4, 2, script.name)
         print(f"{'connections':>11} {'path':>7} {'p50 us':>8} {'p99 us':>8} {'req/s':>9}")
         for connections in (1, 32):
-            direct = _wrk(backend_url, connections, args.duration, script.name)
-            cpu_before = _cpu_seconds(router_pid)
-            routed = _wrk(router_url, connections, args.duration, script.name)
-            cpu = _cpu_seconds(router_pid) - cpu_before
+            direct = run_wrk(
+                backend_url + "/v1/completions", connections, args.duration, script.name
+            )
+            cpu_before = cpu_seconds(router_pid)
+            routed = run_wrk(
+                router_url + "/v1/completions", connections, args.duration, script.name
+            )
+            cpu = cpu_seconds(router_pid) - cpu_before
             for name, row in (("direct", direct), ("router", routed)):
                 print(f"{connections:>11} {name:>7} {row['p50_us']:>8.0f} {row['p99_us']:>8.0f} "
                       f"{row['rps']:>9.0f}")  # fmt: skip
@@ -136,9 +93,9 @@ def main() -> None:
                   f"throughput {routed['rps'] / direct['rps']:.2f}x direct, "
                   f"router CPU {cpu / routed['requests'] * 1e6:.0f} us/request")  # fmt: skip
         direct_ttft, _ = asyncio.run(_stream_ttft(backend_url, args.streams))
-        cpu_before = _cpu_seconds(router_pid)
+        cpu_before = cpu_seconds(router_pid)
         routed_ttft, frames = asyncio.run(_stream_ttft(router_url, args.streams))
-        cpu = _cpu_seconds(router_pid) - cpu_before
+        cpu = cpu_seconds(router_pid) - cpu_before
         print(f"streamed TTFT p50: direct {direct_ttft * 1e6:.0f} us, router "
               f"{routed_ttft * 1e6:.0f} us (added {(routed_ttft - direct_ttft) * 1e6:+.0f} us); "
               f"router CPU {cpu / args.streams * 1e6:.0f} us/stream, "
