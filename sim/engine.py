@@ -16,11 +16,13 @@ from dataclasses import dataclass
 
 from sim.clock import Clock
 from sim.engine_types import EngineRequest, HeldBlocks, RequestStats, SeqState, StepOutput
-from sim.kvcache import BlockManager, extend_block_hashes
+from sim.kvcache import BlockManager, block_hash_at, extend_block_hashes
 from sim.presets import Deployment
 from sim.roofline import DEFAULT_EFFICIENCY, CostModel, Efficiency
 from sim.scheduler import schedule
 from sim.tokenizer import WordGenerator
+
+_words_at = WordGenerator.token_ids_at
 
 __all__ = [
     "Engine",
@@ -151,8 +153,18 @@ class Engine:
         if not 0 <= request.preloaded_tokens <= len(request.prompt_token_ids):
             raise ValueError("preloaded_tokens must be between 0 and the prompt length")
         seq = SeqState(request, self._words.request_key(request.request_id))
+        if request.block_hashes:
+            seq.hashes = self._given_hashes(seq.tokens, request.block_hashes)
         self._live[request.request_id] = seq
         self._waiting.append(seq)
+
+    def _given_hashes(self, prompt: list[int], given: list[int]) -> list[int]:
+        """The caller's prompt block hashes, up to the prompt's full blocks, spot-checked."""
+        bs = self.blocks.block_size
+        hashes = given[: len(prompt) // bs]
+        if hashes and block_hash_at(prompt, hashes, bs, len(hashes) - 1) != hashes[-1]:
+            raise ValueError("block_hashes do not match the prompt at this block size")
+        return hashes
 
     def abort_request(self, request_id: str) -> bool:
         """Drop a live request (or a held prefill leg) and free its blocks now."""
@@ -171,9 +183,14 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self._running or self._waiting)
 
-    def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
-        """Leading tokens whose full blocks are cached here (lookup only, no last-token rule)."""
-        return self.blocks.cached_prefix_tokens(token_ids)
+    def cached_prefix_tokens(
+        self, token_ids: Sequence[int], hashes: list[int] | None = None
+    ) -> int:
+        """Leading tokens whose full blocks are cached here (lookup only, no last-token rule).
+
+        `hashes`: the sequence's block hashes as far as known (extended as needed).
+        """
+        return self.blocks.cached_prefix_tokens(token_ids, hashes)
 
     # -- steps ----------------------------------------------------------------------------------
     def begin_step(self) -> float | None:
@@ -184,13 +201,15 @@ class Engine:
         """
         if self._batch is not None:
             raise RuntimeError("begin_step called twice without finish_step")
-        plan = schedule(self)
-        if not plan.batch:
+        batch, decode_tokens, decode_sum, prefill_tokens, prefill_sum, pairs = schedule(self)
+        if not batch:
             return None
-        self._batch = plan.batch
-        self.last_step_tokens = len(plan.decode_contexts) + sum(n for n, _ in plan.prefill_chunks)
-        self.last_step_requests = len(plan.batch)
-        return self.cost_model.step_time(plan.decode_contexts, plan.prefill_chunks)
+        self._batch = batch
+        self.last_step_tokens = decode_tokens + prefill_tokens
+        self.last_step_requests = len(batch)
+        return self.cost_model.sample_step_time(
+            decode_tokens, decode_sum, prefill_tokens, prefill_sum, pairs
+        )
 
     def finish_step(self) -> list[StepOutput]:
         """Apply the frozen step at clock.now(): write KV, sample tokens, finish requests."""
@@ -199,13 +218,14 @@ class Engine:
             raise RuntimeError("finish_step called without begin_step")
         self._batch = None
         now = self.clock.now()
-        bs = self.blocks.block_size
-        register = self.blocks.register
-        caching = self.blocks.enable_prefix_caching
-        token_id_at = WordGenerator.token_id_at
+        blocks = self.blocks
+        bs = blocks.block_size
+        caching = blocks.enable_prefix_caching
         eos_p = self.config.eos_probability
-        eos_random = self._eos_rng.random
+        new_output = tuple.__new__  # StepOutput without its Python-level __new__
         outputs: list[StepOutput] = []
+        emit = outputs.append
+        sampled = 0
         any_finished = False
         for seq, n in batch:
             if seq.aborted:
@@ -219,32 +239,41 @@ class Engine:
                 hashes = seq.hashes
                 if len(hashes) < full:
                     extend_block_hashes(tokens, hashes, bs, full)
-                block_ids = seq.block_ids
-                for k in range(before // bs, full):
-                    register(block_ids[k], hashes[k])
+                blocks.register_blocks(seq.block_ids, hashes, before // bs, full)
             if computed < len(tokens):
                 continue  # a prefill chunk; the prompt is not complete yet
-            req = seq.request
             if seq.first_token_time < 0.0:
                 seq.first_token_time = now
                 self.prompt_tokens_total += seq.prompt_len
             g = seq.generated
-            if eos_p > 0.0 and g >= req.min_tokens and not req.ignore_eos and eos_random() < eos_p:
-                outputs.append(self._finish(seq, [], "stop", now))
+            if eos_p > 0.0 and self._samples_eos(seq):
+                emit(self._finish(seq, [], "stop", now))
                 any_finished = True
                 continue
-            tid = token_id_at(seq.key, g)
+            upcoming = seq.upcoming
+            if not upcoming:  # words are computed a few at a time, in one pass
+                upcoming = seq.upcoming = _words_at(seq.key, g, min(32, seq.max_tokens - g))
+                upcoming.reverse()
+            tid = upcoming.pop()
             tokens.append(tid)
             seq.generated = g + 1
-            self.generation_tokens_total += 1
-            if g + 1 >= req.max_tokens:
-                outputs.append(self._finish(seq, [tid], "length", now))
+            sampled += 1
+            if g + 1 >= seq.max_tokens:
+                emit(self._finish(seq, [tid], "length", now))
                 any_finished = True
             else:
-                outputs.append(StepOutput(seq.request_id, [tid], None, None))
+                emit(new_output(StepOutput, (seq.request_id, [tid], None, None)))
+        self.generation_tokens_total += sampled
         if any_finished:
             self._running = [s for s in self._running if not s.finished]
         return outputs
+
+    def _samples_eos(self, seq: SeqState) -> bool:
+        """Whether the request samples EOS now (draws only when EOS is allowed)."""
+        req = seq.request
+        if seq.generated < req.min_tokens or req.ignore_eos:
+            return False
+        return self._eos_rng.random() < self.config.eos_probability
 
     def _finish(self, seq: SeqState, token_ids: list[int], reason: str, now: float) -> StepOutput:
         seq.finished = True

@@ -18,6 +18,9 @@ class EngineRequest:
     ignore_eos: bool = False
     hold_blocks_on_finish: bool = False  # P/D prefill leg (do_remote_decode)
     preloaded_tokens: int = 0  # KV for this many leading prompt tokens was pulled
+    # The prompt's chained block hashes (`sim.kvcache.extend_block_hashes` at the engine's
+    # block size), when the caller has them already: legs and turns of one prompt share them.
+    block_hashes: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,7 @@ class SeqState:
         "generated",
         "hashes",
         "key",
+        "max_tokens",
         "num_computed",
         "preemptions",
         "preloaded",
@@ -83,6 +87,7 @@ class SeqState:
         "request",
         "request_id",
         "tokens",
+        "upcoming",
     )
 
     def __init__(self, request: EngineRequest, key: int) -> None:
@@ -91,6 +96,8 @@ class SeqState:
         self.tokens = list(request.prompt_token_ids)  # prompt, then generated tokens
         self.prompt_len = len(self.tokens)
         self.key = key  # WordGenerator request key
+        self.max_tokens = request.max_tokens
+        self.upcoming: list[int] = []  # the next generated token ids, the next one last
         self.preloaded = request.preloaded_tokens  # cleared once used (not after preemption)
         self.num_computed = 0  # tokens whose KV is written
         self.generated = 0

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Sequence
+from math import exp
 
 import msgspec
 
@@ -51,6 +51,7 @@ class CostModel:
         self.step_overhead_s = step_overhead_s
         self.noise_sigma = noise_sigma
         self._rng = random.Random(seed)
+        self._gauss = self._rng.gauss
         m, g, tp = deployment.model, deployment.gpu, deployment.tp
         # Precomputed per-unit costs keep step_time to a few multiplications.
         self._flops_per_token = 2.0 * m.params
@@ -78,11 +79,43 @@ class CostModel:
             prefill_tokens += new
             prefill_context += before
             pairs += new * (before + new * 0.5)
-        t = self.time_from_totals(
+        return self.sample_step_time(
             len(decode_contexts), sum(decode_contexts), prefill_tokens, prefill_context, pairs
         )
+
+    def sample_step_time(
+        self,
+        decode_tokens: int,
+        decode_context_sum: int,
+        prefill_tokens: int,
+        prefill_context_sum: int,
+        prefill_attention_pairs: float,
+    ) -> float:
+        """`step_time` from batch totals (as `time_from_totals` takes them), noise included.
+
+        Every call draws the next noise sample, so a caller must make one call per step.
+        """
+        # time_from_totals, inlined: this runs once per engine step.
+        tokens = decode_tokens + prefill_tokens
+        if tokens == 0:
+            t = 0.0
+        else:
+            flops = self._flops_per_token * tokens + self._attn_flops_per_pair * (
+                decode_context_sum + prefill_attention_pairs
+            )
+            nbytes = self._weight_bytes + self._kv_bytes * (
+                decode_context_sum + prefill_context_sum + tokens
+            )
+            compute_s = flops / self._flop_rate
+            memory_s = nbytes / self._byte_rate
+            t = (
+                self.step_overhead_s
+                + (compute_s if compute_s > memory_s else memory_s)
+                + self._ar_fixed_s
+                + self._ar_per_token_s * tokens
+            )
         if self.noise_sigma > 0.0:
-            t *= math.exp(self._rng.gauss(0.0, self.noise_sigma))
+            t *= exp(self._gauss(0.0, self.noise_sigma))
         return t
 
     def time_from_totals(
@@ -93,7 +126,7 @@ class CostModel:
         prefill_context_sum: float,
         prefill_attention_pairs: float,
     ) -> float:
-        """Noise-free step time from batch totals (the hot path of step_time).
+        """Noise-free step time from batch totals (`sample_step_time` inlines it).
 
         `prefill_attention_pairs` is the sum over chunks of new x (context_before + new / 2).
         """

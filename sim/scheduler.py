@@ -10,7 +10,7 @@ during its prefill; only decodes allocate (and preempt) later.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 from sim.engine_types import SeqState
 from sim.kvcache import extend_block_hashes
@@ -18,11 +18,12 @@ from sim.kvcache import extend_block_hashes
 if TYPE_CHECKING:
     from sim.engine import Engine
 
-
-class Plan(NamedTuple):
-    batch: list[tuple[SeqState, int]]  # (request, tokens computed for it in this step)
-    decode_contexts: list[int]
-    prefill_chunks: list[tuple[int, int]]  # (new tokens, context before the chunk)
+# (request, tokens computed for it in this step), in batch order.
+Batch = list[tuple[SeqState, int]]
+# The batch and the totals the cost model prices it by: decode tokens, the sum of their
+# contexts (the new token included), prefill tokens, the sum of the context before each
+# prefill chunk, and the sum over chunks of new x (context before + new / 2).
+Plan = tuple[Batch, int, int, int, int, float]
 
 
 def schedule(engine: Engine) -> Plan:
@@ -32,9 +33,9 @@ def schedule(engine: Engine) -> Plan:
     budget = config.max_num_batched_tokens
     chunk = config.chunked_prefill
     running = engine.running
-    batch: list[tuple[SeqState, int]] = []
-    decode_contexts: list[int] = []
-    prefill_chunks: list[tuple[int, int]] = []
+    batch: Batch = []
+    add = batch.append
+    decode_context_sum = 0
     preempted = False
 
     # 1. Decodes, in admission order; victims come from the tail (the most recently admitted).
@@ -57,37 +58,50 @@ def schedule(engine: Engine) -> Plan:
             if block is None:
                 break  # preempted itself: everything after it was preempted before
             seq.block_ids.append(block)
-        batch.append((seq, 1))
-        decode_contexts.append(n_tokens)
+        add((seq, 1))
+        decode_context_sum += n_tokens
         budget -= 1
         i += 1
+    decode_tokens = len(batch)
+    prefill_tokens = prefill_context_sum = 0
+    pairs = 0.0
 
-    # 2. Running prefills continue (only chunked prefill leaves a prompt unfinished).
+    # 2. Running prefills continue. Only chunked prefill leaves a prompt unfinished: without
+    # it every admitted prompt is computed whole in its first step.
     prefilling = False
-    for seq in running:
-        if budget == 0:
-            break
-        remaining = len(seq.tokens) - seq.num_computed
-        if remaining <= 1:
-            continue
-        n = min(remaining, chunk or remaining, budget)
-        batch.append((seq, n))
-        prefill_chunks.append((n, seq.num_computed))
-        budget -= n
-        prefilling = True
+    if chunk is not None:
+        for seq in running:
+            if budget == 0:
+                break
+            before = seq.num_computed
+            remaining = len(seq.tokens) - before
+            if remaining <= 1:
+                continue
+            n = min(remaining, chunk, budget)
+            add((seq, n))
+            prefill_tokens += n
+            prefill_context_sum += before
+            pairs += n * (before + n * 0.5)
+            budget -= n
+            prefilling = True
 
     # 3. Admissions. Skipped after a preemption so a victim is not readmitted at once.
-    if preempted:
-        return Plan(batch, decode_contexts, prefill_chunks)
     waiting = engine.waiting
+    if preempted or not waiting:
+        return batch, decode_tokens, decode_context_sum, prefill_tokens, prefill_context_sum, pairs
     limit = config.max_num_seqs
     now = engine.clock.now()
+    caching = blocks.enable_prefix_caching
     while waiting and budget > 0 and len(running) < limit:
         seq = waiting[0]
         tokens = seq.tokens
         n_tokens = len(tokens)
         # At least the last token is computed, even on a full hit (as vLLM).
-        matched = blocks.match(tokens, seq.hashes, (n_tokens - 1) // bs)
+        lookup = (n_tokens - 1) // bs
+        if caching and len(seq.hashes) < lookup:
+            # All of them: the blocks computed here are registered under them after the step.
+            extend_block_hashes(tokens, seq.hashes, bs, n_tokens // bs)
+        matched = blocks.match(tokens, seq.hashes, lookup)
         local = len(matched) * bs
         start = max(local, min(seq.preloaded, n_tokens - 1))
         n = n_tokens - start
@@ -100,9 +114,10 @@ def schedule(engine: Engine) -> Plan:
             break
         waiting.popleft()
         blocks.acquire(matched)
-        seq.block_ids = matched + blocks.allocate(new_blocks)
+        matched += blocks.allocate(new_blocks)
+        seq.block_ids = matched
         if seq.preloaded:
-            _register_preloaded(engine, seq, len(matched))
+            _register_preloaded(engine, seq, local // bs)
         blocks.record_query(n_tokens, local)
         if seq.first_scheduled_time < 0.0:
             seq.first_scheduled_time = now
@@ -111,11 +126,13 @@ def schedule(engine: Engine) -> Plan:
         seq.preloaded = 0  # pulled KV is gone once the request is preempted
         seq.num_computed = start
         running.append(seq)
-        batch.append((seq, n))
-        prefill_chunks.append((n, start))
+        add((seq, n))
+        prefill_tokens += n
+        prefill_context_sum += start
+        pairs += n * (start + n * 0.5)
         budget -= n
         prefilling = True
-    return Plan(batch, decode_contexts, prefill_chunks)
+    return batch, decode_tokens, decode_context_sum, prefill_tokens, prefill_context_sum, pairs
 
 
 def _register_preloaded(engine: Engine, seq: SeqState, first_block: int) -> None:
@@ -125,5 +142,4 @@ def _register_preloaded(engine: Engine, seq: SeqState, first_block: int) -> None
     if full <= first_block or not blocks.enable_prefix_caching:
         return
     extend_block_hashes(seq.tokens, seq.hashes, blocks.block_size, full)
-    for k in range(first_block, full):
-        blocks.register(seq.block_ids[k], seq.hashes[k])
+    blocks.register_blocks(seq.block_ids, seq.hashes, first_block, full)

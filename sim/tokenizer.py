@@ -136,6 +136,20 @@ class WordGenerator:
         x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
         return _VOCAB_IDS[(x ^ (x >> 31)) % _VOCAB_SIZE]
 
+    @staticmethod
+    def token_ids_at(key: int, start: int, count: int) -> list[int]:
+        """`token_id_at(key, i)` for i in [start, start + count), in one pass."""
+        ids = _VOCAB_IDS
+        out: list[int] = []
+        append = out.append
+        x = (key + (start + 1) * _GOLDEN) & _M64
+        for _ in range(count):
+            y = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+            y = ((y ^ (y >> 27)) * 0x94D049BB133111EB) & _M64
+            append(ids[(y ^ (y >> 31)) % _VOCAB_SIZE])
+            x = (x + _GOLDEN) & _M64
+        return out
+
     def words(self, request_id: str, start: int, count: int) -> list[str]:
         key = self.request_key(request_id)
         return [VOCABULARY[self.index_at(key, i)] for i in range(start, start + count)]

@@ -21,23 +21,27 @@ from bench.traces import Conversation, Trace
 
 
 class _Session:
-    __slots__ = ("answer", "conversation", "prompt", "turn_index")
+    __slots__ = ("answer", "block_hashes", "conversation", "prompt", "turn_index")
 
     def __init__(self, conversation: Conversation) -> None:
         self.conversation = conversation
         self.turn_index = 0
         self.prompt: list[int] = []
         self.answer: list[int] = []
+        self.block_hashes: list[int] = []  # of `prompt`, as far as computed
 
 
 class Client:
-    def __init__(self, trace: Trace, rate_scale: float, loop: EventLoop) -> None:
+    def __init__(
+        self, trace: Trace, rate_scale: float, loop: EventLoop, kv_block_size: int | None = None
+    ) -> None:
+        """`kv_block_size`: the workers' KV block size, to hash each prompt's blocks once."""
         if not rate_scale > 0:
             raise ValueError(f"rate_scale must be > 0, got {rate_scale}")
         self._trace = trace
         self._scale = rate_scale
         self._loop = loop
-        self._prompts = PromptBuilder(trace.block_tokens)
+        self._prompts = PromptBuilder(trace.block_tokens, kv_block_size)
         self._router: SimRouter | None = None
         conversations = trace.conversations
         # Sessions in `iter_turns` order of their first turns.
@@ -89,12 +93,16 @@ class Client:
         conversation = session.conversation
         index = session.turn_index
         turn = conversation.turns[index]
+        hashes = session.block_hashes  # the previous prompt's, still valid for this one
         if index == 0:
-            prompt = self._prompts.first_prompt(conversation)
+            prompt = self._prompts.first_prompt(conversation, hashes)
         else:
-            prompt = self._prompts.next_prompt(conversation, index, session.prompt, session.answer)
+            prompt = self._prompts.next_prompt(
+                conversation, index, session.prompt, session.answer, hashes
+            )
         more = index + 1 < len(conversation.turns)
         session.prompt = prompt if more else []
+        session.block_hashes = hashes if more else []
         request = TurnRequest(
             request_id=f"{conversation.session_id}#{index}",
             session_id=conversation.session_id,
@@ -106,6 +114,7 @@ class Client:
             itl_slo_ms=turn.itl_slo_ms,
             keep_answer=more,
             owner=session,
+            block_hashes=hashes,
         )
         self._router.handle(request)
 

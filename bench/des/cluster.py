@@ -88,6 +88,7 @@ class Cluster:
         self._leg_ids = 0
         self._transfers: dict[int, tuple[Callable[[Any], None], Any]] = {}
         self._fabric_generation = 0
+        self._step_end_event = self._step_end  # bound once: pushed for every step
 
     # -- requests ---------------------------------------------------------------------------
     def new_engine_id(self, request_id: str) -> str:
@@ -143,7 +144,7 @@ class Cluster:
             worker.busy = False
             self._blocked(worker)
             return
-        self.loop.at(self.loop.clock.now() + duration, self._step_end, worker)
+        self.loop.at(self.loop.clock.now() + duration, self._step_end_event, worker)
 
     def _step_end(self, worker: SimWorker) -> None:
         engine = worker.engine
@@ -151,7 +152,7 @@ class Cluster:
         heap = loop.heap
         clock = loop.clock
         legs = self.legs
-        now = clock.now()
+        now = clock.t
         steps = 0
         while True:
             steps += 1
@@ -161,7 +162,7 @@ class Cluster:
                 if token_ids:
                     leg.chunks.append(now)
                     if leg.tokens is not None:
-                        leg.tokens.extend(token_ids)
+                        leg.tokens += token_ids
                 if reason is not None:
                     del legs[request_id]
                     assert stats is not None
@@ -178,10 +179,9 @@ class Cluster:
                 break
             if heap and heap[0][0] <= end:
                 loop.seq += 1  # loop.at without its checks: `end` is in the future
-                heappush(heap, (end, loop.seq, self._step_end, worker))
+                heappush(heap, (end, loop.seq, self._step_end_event, worker))
                 break
-            now = end
-            clock.advance_to(end)
+            clock.t = now = end
         self.steps += steps
         self.inline_steps += steps - 1
 

@@ -46,6 +46,7 @@ from policies.types import (
 )
 from router.events import StageEvents
 from sim.engine import EngineRequest, RequestStats
+from sim.kvcache import extend_block_hashes
 
 
 class SimRouter:
@@ -64,6 +65,7 @@ class SimRouter:
         self._index = {worker_id: i for i, worker_id in enumerate(self._ids)}
         self._overhead = config.router_overhead_s
         self._kv_bytes = cluster.kv_bytes_per_token
+        self._block_size = cluster.deployment.block_size
         self._prefill_first = config.first_token == "prefill"
         self._objectives = config.objectives
         rate = config.nic_gbps * 1e9 / 8  # every NIC is alike
@@ -180,7 +182,7 @@ class SimRouter:
             request_id=self._cluster.new_engine_id(req.request_id),
             prompt_token_ids=req.prompt, max_tokens=max_tokens,
             arrival_time=self._clock.now(), ignore_eos=True, hold_blocks_on_finish=hold,
-            preloaded_tokens=preload,
+            preloaded_tokens=preload, block_hashes=self._block_hashes(req),
         )  # fmt: skip
         problem = self._cluster.submit(leg, request)
         if problem is None:
@@ -189,6 +191,12 @@ class SimRouter:
         self._release(flight, 0, 0.0)
         self._end(flight, "error", 400, problem, self._clock.now())
         return False
+
+    def _block_hashes(self, req: TurnRequest) -> list[int]:
+        """The prompt's KV block hashes, computed at its first leg and shared by the rest."""
+        size = self._block_size
+        extend_block_hashes(req.prompt, req.block_hashes, size, len(req.prompt) // size)
+        return req.block_hashes
 
     # -- handoff and migration ----------------------------------------------------------------
     def _handoff(self, flight: Flight, prefill: int, decode: int, now: float) -> None:
@@ -234,7 +242,7 @@ class SimRouter:
             flight.reported = (0, 0.0)
             self._submit(leg, req.max_tokens, 0, hold=False)
             return
-        hit = engine.cached_prefix_tokens(req.prompt)
+        hit = engine.cached_prefix_tokens(req.prompt, self._block_hashes(req))
         flight.preload = min(held_tokens, len(req.prompt))
         flight.pull_bytes = max(0, flight.preload - hit) * self._kv_bytes
         flight.pull_started = self._clock.now()

@@ -13,13 +13,14 @@ from router.events import StageEvents
 class TurnRequest:
     """One turn as the client sends it: the prompt's token ids and the turn's objectives."""
 
-    __slots__ = ("itl_slo_ms", "keep_answer", "klass", "max_tokens", "owner", "prompt",
-                 "request_id", "sent_at", "session_id", "ttft_slo_ms", "turn_index")  # fmt: skip
+    __slots__ = ("block_hashes", "itl_slo_ms", "keep_answer", "klass", "max_tokens", "owner",
+                 "prompt", "request_id", "sent_at", "session_id", "ttft_slo_ms",
+                 "turn_index")  # fmt: skip
 
     def __init__(
         self, request_id: str, session_id: str, turn_index: int, klass: str, prompt: list[int],
         max_tokens: int, ttft_slo_ms: float | None, itl_slo_ms: float | None, keep_answer: bool,
-        owner: object = None,
+        owner: object = None, block_hashes: list[int] | None = None,
     ) -> None:  # fmt: skip
         self.request_id = request_id
         self.session_id = session_id
@@ -31,6 +32,9 @@ class TurnRequest:
         self.itl_slo_ms = itl_slo_ms
         self.keep_answer = keep_answer  # the session has a next turn that resends the answer
         self.owner = owner  # the client's state for the session
+        # The prompt's KV block hashes, computed once for all legs (`SimRouter`); a session's
+        # next turn extends the same list, as its prompt extends this one.
+        self.block_hashes = [] if block_hashes is None else block_hashes
         self.sent_at = 0.0
 
 

@@ -164,11 +164,12 @@ def test_event_loop_runs_in_time_then_schedule_order_and_stops() -> None:
             loop.stop()
             loop.at(loop.now() + 1, note, "never")
 
-    for time, label in [(2.0, "c"), (1.0, "a"), (1.0, "b"), (3.0, "stop"), (4.0, "late")]:
+    for time, label in [(2, "c"), (1.0, "a"), (1.0, "b"), (3.0, "stop"), (4.0, "late")]:
         loop.at(time, note, label)
     loop.run()
     assert seen == [(1.0, "a"), (1.0, "b"), (1.0, "b-again"), (2.0, "c"), (3.0, "stop")]
     assert loop.events == 5
+    assert all(type(time) is float for time, _ in seen)  # an int time reads back as a float
     with pytest.raises(ValueError, match="past"):
         EventLoop().at(-1.0, note, "x")
 

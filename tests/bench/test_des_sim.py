@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import random
+
 import msgspec
 import pytest
 
@@ -14,6 +17,7 @@ from bench.workloads import ArrivalSpec, ThinkSpec, WorkloadSpec, generate_matri
 from policies import create_policy
 from policies.params import NoParams
 from policies.types import ClusterView, Colocate, Decision, Migrate, Outcome, Reject, Role, Turn
+from sim.kvcache import extend_block_hashes
 from sim.presets import deployment_from_names
 from sim.roofline import CostModel
 
@@ -263,8 +267,80 @@ def test_prompts_extend_the_previous_turn_with_its_answer() -> None:
     other = builder.first_prompt(Conversation("d", turns, system_prefix_tokens=10))
     assert other[1:11] == first[1:11] and other[12:34] == first[12:34]
     assert other[34:52] != first[34:52]  # past the known block: unique to each session
+    # a run of block 7 names it (and the offset) first, then takes the shared ids
+    assert first[2:11] == list(range(-1, -10, -1)) and first[13:34] == list(range(-11, -32, -1))
+    assert _distinct_ids(first)[12:34] == list(range(first[1] + 10, first[1] + 32))
+
+
+def _distinct_ids(prompt: list[int]) -> list[int]:
+    """The layout with its own id for every (block, offset): a shared id continues its run."""
+    out: list[int] = []
+    for token in prompt:
+        out.append(out[-1] + 1 if token < 0 else token)
+    return out
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
+
+
+def _conversations(seed: int) -> list[Conversation]:
+    """Sessions over a few shared blocks: spans start inside blocks and end past them."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(12):
+        turns = tuple(
+            TraceTurn(0.0, rng.randint(0, 70), 3, prefix_blocks=tuple(
+                rng.choice([(1, 2, 3), (1, 2), (1, 4), (2,), ()])[: rng.randint(0, 3)]
+            )) for _ in range(rng.randint(1, 3))
+        )  # fmt: skip
+        out.append(Conversation(f"c{i}", turns, system_prefix_tokens=rng.choice([0, 0, 5, 40])))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_prompts_share_a_prefix_exactly_when_distinct_ids_would(seed: int) -> None:
+    builder = PromptBuilder(block_tokens=32)
+    prompts = []
+    for conversation in _conversations(seed):
+        prompt = builder.first_prompt(conversation)
+        prompts.append(prompt)
+        for index in range(1, len(conversation.turns)):
+            prompt = builder.next_prompt(conversation, index, prompt, [5, 6, 7])
+            prompts.append(prompt)
+    distinct = [_distinct_ids(p) for p in prompts]
+    assert all(min(d) >= 0 for d in distinct)
+    for a in range(len(prompts)):
+        for b in range(a):
+            assert _common(prompts[a], prompts[b]) == _common(distinct[a], distinct[b])
+
+
+@pytest.mark.parametrize("kv_block_size", [16, 7, 40])
+def test_prompt_hashes_are_the_engines(kv_block_size: int) -> None:
+    builder = PromptBuilder(block_tokens=32, kv_block_size=kv_block_size)
+    for conversation in _conversations(7):
+        hashes: list[int] = []
+        prompt = builder.first_prompt(conversation, hashes)
+        for index in range(len(conversation.turns)):
+            if index:
+                prompt = builder.next_prompt(conversation, index, prompt, [9, 8, 7], hashes)
+            expected: list[int] = []
+            extend_block_hashes(prompt, expected, kv_block_size, len(prompt) // kv_block_size)
+            assert hashes == expected
 
 
 def test_an_empty_trace_simulates_to_nothing() -> None:
     result = simulate(Trace("empty", ()), create_policy("colocate"), config(("mixed",)))
     assert (result.results, result.failure, result.stats.virtual_s) == ([], None, 0.0)
+
+
+@pytest.mark.parametrize("collecting", [True, False])
+def test_a_run_leaves_the_cyclic_collector_as_it_was(collecting: bool) -> None:
+    (gc.enable if collecting else gc.disable)()
+    try:
+        simulate(single_turns(100, 200), create_policy("colocate"), config(("mixed",)))
+        assert gc.isenabled() == collecting
+    finally:
+        gc.enable()

@@ -6,6 +6,7 @@ import pytest
 
 from sim.clock import MonotonicClock, VirtualClock
 from sim.engine import Engine, EngineConfig, EngineRequest, RequestStats, StepOutput
+from sim.kvcache import extend_block_hashes
 from sim.presets import deployment_from_names
 from sim.tokenizer import WordGenerator
 
@@ -296,6 +297,30 @@ def test_same_seed_same_run_with_noise() -> None:
 
     assert trace(1) == trace(1)
     assert trace(1) != trace(2)
+
+
+def test_given_block_hashes_change_nothing_but_are_checked() -> None:
+    def trace(share: bool) -> list[tuple[float, str, tuple[int, ...], int]]:
+        engine, clock = make(seed=2, noise_sigma=0.05)
+        prompts = [list(range(200 + 7 * i)) for i in range(5)]  # shared prefixes
+        for i, prompt in enumerate(prompts):
+            hashes: list[int] = []
+            extend_block_hashes(prompt, hashes, BS, len(prompt) // BS - i % 2)
+            kw = {"block_hashes": hashes} if share else {}
+            engine.add_request(req(f"r{i}", prompt, max_tokens=20, **kw))
+        out = []
+        while engine.has_work():
+            for o in step(engine, clock):
+                cached = o.stats.cached_tokens if o.stats is not None else -1
+                out.append((clock.now(), o.request_id, tuple(o.token_ids), cached))
+        return out
+
+    assert trace(True) == trace(False)
+    engine, _ = make()
+    wrong: list[int] = []
+    extend_block_hashes(list(range(64)), wrong, 2 * BS, 2)  # another block size
+    with pytest.raises(ValueError, match="block_hashes"):
+        engine.add_request(req("x", list(range(64)), block_hashes=wrong))
 
 
 @pytest.mark.parametrize(

@@ -152,3 +152,117 @@ def test_counters() -> None:
 def test_rejects_empty_geometry(blocks: int, size: int) -> None:
     with pytest.raises(ValueError):
         BlockManager(blocks, size)
+
+
+def _registered(bm: BlockManager, tokens: list[int], hashes: list[int]) -> list[int]:
+    """Match, acquire and allocate `tokens` as the scheduler does, then register every full
+    block with one `register_blocks` call; the sequence's blocks."""
+    matched = bm.match(tokens, hashes, len(tokens) // BS)
+    bm.acquire(matched)
+    blocks = matched + bm.allocate(-(-len(tokens) // BS) - len(matched))
+    extend_block_hashes(tokens, hashes, BS, len(tokens) // BS)
+    bm.register_blocks(blocks, hashes, len(matched), len(tokens) // BS)
+    return blocks
+
+
+def test_register_blocks_publishes_a_chain_and_a_later_sequence_extends_it() -> None:
+    bm = BlockManager(16, BS)
+    first = list(range(8))
+    a = _registered(bm, first, [])
+    assert bm.num_cached_blocks == 2 and bm.match(first, [], 2) == a
+    longer = [*first, 8, 9, 10, 11, 12]  # two hits, one new full block, a partial one
+    b = _registered(bm, longer, [])
+    assert b[:2] == a and bm.num_cached_blocks == 3
+    assert bm.match(longer, [], 3) == b[:3]
+    assert bm.cached_prefix_tokens(longer) == 12
+
+
+def test_register_blocks_keeps_the_first_copy_of_a_duplicate_prefix() -> None:
+    bm = BlockManager(16, BS)
+    tokens = list(range(12))
+    hashes: list[int] = []
+    extend_block_hashes(tokens, hashes, BS, 3)
+    a, b = bm.allocate(3), bm.allocate(3)  # two requests computed the same prompt at once
+    bm.register_blocks(a, hashes, 0, 3)
+    bm.register_blocks(b, hashes, 0, 3)
+    assert bm.num_cached_blocks == 3 and bm.match(tokens, [], 3) == a
+    bm.free(b)  # the copies were never published: they go straight back to the free list
+    assert bm.num_free_blocks == 13 and bm.num_cached_blocks == 3
+
+
+def _chain(count: int) -> tuple[list[int], list[int]]:
+    tokens = list(range(count * BS))
+    return tokens, _hashes(tokens)
+
+
+def test_evicting_a_chain_head_keeps_the_block_a_later_sequence_added() -> None:
+    bm = BlockManager(8, BS)
+    tokens, hashes = _chain(2)
+    owner = bm.allocate(1)
+    bm.register_blocks(owner, hashes, 0, 1)
+    later = bm.allocate(2)  # its block 0 duplicates the owner's; its block 1 extends the chain
+    bm.register_blocks(later, hashes, 0, 2)
+    assert bm.match(tokens, [], 2) == [owner[0], later[1]] and bm.num_cached_blocks == 2
+    bm.free(owner)
+    assert len(bm.allocate(5)) == 5  # the never-used blocks
+    assert bm.allocate(1) == owner  # then the chain's head; block 1 stays cached
+    assert (bm.num_cached_blocks, bm.cached_prefix_tokens(tokens)) == (1, 0)
+    bm.register_blocks(owner, hashes, 0, 1)  # block 0 cached again: the chain is whole
+    assert bm.match(tokens, [], 2) == [owner[0], later[1]]
+
+
+def test_evicting_inside_a_chain_splits_it() -> None:
+    bm = BlockManager(8, BS)
+    tokens, hashes = _chain(3)
+    owner = bm.allocate(2)
+    bm.register_blocks(owner, hashes, 0, 2)
+    later = bm.allocate(3)  # duplicates blocks 0 and 1, adds block 2 after the owner's
+    bm.register_blocks(later, hashes, 0, 3)
+    assert bm.match(tokens, [], 3) == [*owner, later[2]]
+    bm.free(owner)  # queued tail first: block 1, then block 0
+    bm.allocate(3)
+    assert bm.allocate(1) == owner[1:]
+    assert (bm.num_cached_blocks, bm.cached_prefix_tokens(tokens)) == (2, BS)
+    assert bm.allocate(1) == owner[:1]
+    assert (bm.num_cached_blocks, bm.cached_prefix_tokens(tokens)) == (1, 0)
+    again = [owner[1], owner[0]]
+    bm.register_blocks(again, hashes, 0, 2)
+    assert bm.match(tokens, [], 3) == [*again, later[2]]
+    assert bm.cached_prefix_tokens(tokens) == 3 * BS
+
+
+def test_hit_and_free_cycles_keep_the_eviction_queue_bounded() -> None:
+    bm = BlockManager(64, BS)
+    tokens = list(range(40))
+    blocks = _registered(bm, tokens, [])
+    bm.free(blocks)
+    for _ in range(3000):
+        hit = bm.match(tokens, [], 10)
+        assert hit == blocks
+        bm.acquire(hit)
+        bm.free(hit)
+    assert len(bm._lru) - bm._lru_head <= 2 * bm.num_free_blocks + 4096
+    assert bm.allocate(54) == list(range(10, 64))  # the never-used blocks first
+    assert bm.allocate(3) == blocks[-3:][::-1]  # then the chain's tail, last block first
+    assert bm.cached_prefix_tokens(tokens) == 28
+
+
+def test_given_contents_hash_like_the_tokens() -> None:
+    tokens = [*range(30), 7, 7, 7]
+    plain = _hashes(tokens)
+    contents: list[int | None] = [hash(tuple(tokens[k * BS : (k + 1) * BS])) for k in range(8)]
+    contents[0] = contents[5] = None  # hashed from the tokens
+    given: list[int] = [plain[0]]
+    extend_block_hashes(tokens, given, BS, 8, contents[1:])
+    assert given == plain
+    with pytest.raises(ValueError):
+        extend_block_hashes(tokens, [], BS, 9)
+
+
+def test_lookups_reuse_a_given_hash_cache() -> None:
+    bm = BlockManager(8, BS)
+    tokens = list(range(10))
+    _cache(bm, tokens)
+    hashes = _hashes(tokens)
+    assert bm.cached_prefix_tokens(tokens, hashes) == 8 and len(hashes) == 2
+    assert bm.cached_prefix_tokens(tokens, [999, 998]) == 0  # the given hashes are trusted

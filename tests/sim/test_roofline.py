@@ -119,6 +119,18 @@ def test_noise_is_seeded_lognormal() -> None:
     assert a.predict_prefill_s(100) == quiet.predict_prefill_s(100)  # predictions are noise-free
 
 
+@pytest.mark.parametrize("sigma", [0.0, 0.1])
+def test_totals_price_a_step_as_its_contexts_do(sigma: float) -> None:
+    by_contexts = CostModel(H200_8B, noise_sigma=sigma, seed=3)
+    by_totals = CostModel(H200_8B, noise_sigma=sigma, seed=3)
+    decode, chunks = [700, 1200, 90], [(512, 3584), (40, 0)]
+    pairs = sum(n * (c + n * 0.5) for n, c in chunks)
+    for _ in range(5):  # the same noise draws, in the same order
+        assert by_contexts.step_time(decode, chunks) == by_totals.sample_step_time(
+            len(decode), sum(decode), 552, 3584, pairs
+        )
+
+
 def test_negative_noise_rejected() -> None:
     with pytest.raises(ValueError):
         CostModel(H200_8B, noise_sigma=-0.1)

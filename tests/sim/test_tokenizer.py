@@ -109,6 +109,8 @@ def test_word_generator_is_deterministic_and_indexable() -> None:
     assert all(w in VOCABULARY for w in words)
     key = a.request_key("r")
     assert [WordGenerator.token_id_at(key, i) for i in range(50)] == tokenize(" ".join(words))
+    assert WordGenerator.token_ids_at(key, 20, 10) == tokenize(" ".join(words[20:30]))
+    assert WordGenerator.token_ids_at(key, 3, 0) == []
 
 
 def test_word_generator_spreads_over_the_vocabulary() -> None:
