@@ -1,25 +1,36 @@
-"""`adaptive`: place each turn where I > H + dQ + dC says it does the least harm.
+"""`adaptive`: place each turn where I > H + dQ + dC says it costs goodput least.
 
 For every turn the policy enumerates the feasible placements (policies.adaptive_scoring has the
-formulas): the whole turn on the resident worker (colocate) or on one of the `shortlist`
-least-loaded other decode/mixed workers (recompute, or colocate for a new session); a handoff
-from one of the `shortlist` least-loaded prefill/mixed workers to the resident worker or to one
-of those decode workers; and, when the resident worker is overloaded (`migrate_queue_threshold`
-requests waiting or KV usage at least `migrate_kv_usage`) or cannot serve the turn itself, a
-migration of its state to one of those decode workers whose KV usage is below
-`migrate_kv_usage`. A session without residency never migrates.
+formulas): the whole turn on the resident worker (colocate) or on other decode/mixed workers
+(recompute, or colocate for a new session): the `shortlist` least loaded and the `shortlist`
+whose recent slow steps least expose an answer decoded there, all with KV usage below
+`migrate_kv_usage` when any is; a handoff from one of the `shortlist` least-loaded
+prefill/mixed workers to the resident worker or to one of those; and, when the resident worker
+is overloaded (`migrate_queue_threshold` requests waiting or KV usage at least
+`migrate_kv_usage`) or cannot serve the turn itself, a migration of its state to one of those
+(run as the router runs it: a handoff from the resident, whose cache holds the context). A
+session without residency never migrates.
 
-Choice: the candidate that meets the turn's TTFT objective at the least cost = harm to running
-streams + the turn's own TTFT (which is I > H + dQ + dC against the colocated reference); then
-the lower cost among those that miss it; ties go to colocate, handoff, migrate, recompute in
-that order, then to the lower worker ids, so the decision depends only on the view and the
-estimates, never on the order of the workers. When the best candidate misses the objective the
-turn is rejected with `retry_after_s`, or served anyway with `on_infeasible=serve`.
+Terms are in expected objective misses: the ITL budgets a prefill's slow steps spend of the
+streams running beside it (harm), the slow steps the answer will meet where it decodes
+(exposure, from the `StallLedger` of recent placements, `stall_window_s`), and the risk to
+the turn's own TTFT objective; where nothing is at risk, the faster placement that takes less
+GPU time wins. Choice: the candidate that meets the turn's TTFT objective at the least cost
+(which is I > H + dQ + dC against the colocated reference); then the lower cost among those
+that miss it; ties go to colocate, handoff, migrate, recompute in that order, then to the lower
+worker ids, so the decision depends only on the view, the estimates and the ledger, never on
+the order of the workers. When the best candidate misses the objective the turn is rejected
+with `retry_after_s`, or served anyway with `on_infeasible=serve`.
+
+`decide` records the placement in the ledger under the request id (deciding the same turn
+again replaces it, so it returns the same decision); `observe` calibrates the estimates and
+learns the prefix fresh sessions find cached anywhere (`Estimates.shared_prefix_tokens`).
 
 The reference is the colocate on the resident worker, or else the best whole-turn candidate.
-`predicted` is relative to it: interference_ms = I(reference) - I(chosen) (the interference
-avoided, at least 0; for the reference itself, the interference it accepts),
-exposed_transfer_ms = H, queue/compute deltas against the reference, ttft_ms of the chosen.
+`predicted` is relative to it, in ms: interference_ms = the stall ms past the streams' slack
+and the turn's own wait, I(reference) - I(chosen) (at least 0; for the reference itself, what
+it accepts), exposed_transfer_ms = H, queue/compute deltas against the reference, ttft_ms of
+the chosen. The reason states I and H + dQ + dC in expected misses.
 """
 
 from __future__ import annotations
@@ -30,7 +41,7 @@ from typing import Literal
 
 import msgspec
 
-from policies.adaptive_scoring import Candidate, Scorer
+from policies.adaptive_scoring import TTFT_WEIGHT, Candidate, Scorer, StallLedger
 from policies.estimates import Estimates
 from policies.hardware import gpu_preset, model_preset
 from policies.load import DECODE_ROLES, PREFILL_ROLES, can_serve, load_score, reject_no_worker
@@ -51,6 +62,7 @@ from policies.types import (
     WorkerView,
 )
 
+MAX_FRESH = 65536
 _TIE_ORDER: dict[Action, int] = {"colocate": 0, "handoff": 1, "migrate": 2, "recompute": 3}
 
 
@@ -69,6 +81,7 @@ class AdaptiveParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     default_link_bps: float = 12.5e9
     shortlist: int = 3
     learning_rate: float = 0.1
+    stall_window_s: float = 5.0
 
     def __post_init__(self) -> None:
         gpu_preset(self.gpu)
@@ -108,10 +121,16 @@ class AdaptiveParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         )
         _require(self.shortlist >= 1, "shortlist", self.shortlist, ">= 1")
         _require(0.0 < self.learning_rate <= 1.0, "learning_rate", self.learning_rate, "in (0, 1]")
+        _require(
+            0.0 < self.stall_window_s < math.inf,
+            "stall_window_s",
+            self.stall_window_s,
+            "a finite number > 0",
+        )
 
 
 class AdaptivePolicy:
-    """Colocate, hand off, migrate, recompute or reject, whichever harms least (see module)."""
+    """Colocate, hand off, migrate, recompute or reject, whichever costs least (see module)."""
 
     name = "adaptive"
     Params = AdaptiveParams
@@ -125,6 +144,9 @@ class AdaptivePolicy:
         # not once per turn (a fleet of N workers has up to N^2 links).
         self._indexed_links: tuple[LinkView, ...] = ()
         self._link_index: dict[tuple[str, str], LinkView] = {}
+        self._stalls = StallLedger(p.stall_window_s)
+        # Fresh sessions' first turns placed whole: what they find cached is shared.
+        self._fresh: dict[str, None] = {}
 
     def decide(self, turn: Turn, view: ClusterView) -> Decision:
         p = self.params
@@ -152,38 +174,54 @@ class AdaptivePolicy:
             links=self._link_index,
             horizon_s=p.link_horizon_s,
             default_bps=p.default_link_bps,
+            stalls=self._stalls,
         )
         key = _rank_key(turn)
-        others = _least_loaded(
-            [w for w in decode_pool if w is not resident] if resident is not None else decode_pool,
-            p.shortlist,
-        )
+        # A new answer goes where its KV fits: a full cache preempts the streams running there.
+        roomy = [w for w in decode_pool if w is not resident and w.kv_usage < p.migrate_kv_usage]
+        if not roomy:
+            roomy = [w for w in decode_pool if w is not resident]
+        others = _decode_shortlist(roomy, p.shortlist, scorer)
         decode_targets = [resident, *others] if resident is not None else others
         whole = [scorer.whole(worker) for worker in decode_targets]
         # Colocating where the state lives is what any separation must beat.
         reference = whole[0] if resident is not None else min(whole, key=key)
         candidates = whole
-        for prefill in _least_loaded(prefill_pool, p.shortlist):
-            for decode in decode_targets:
-                if decode is not prefill:
-                    candidates.append(scorer.handoff(prefill, decode))
+        mover = None
         if (
             residency is not None
             and source is not None
             and source.accepts_new_work
             and (resident is None or _overloaded(source, p))
         ):
+            # The router runs a migration as a handoff from the source: the state moves on.
+            mover = source
             for destination in others:
                 if destination.kv_usage < p.migrate_kv_usage:
-                    candidates.append(
-                        scorer.migrate(source.worker_id, destination, residency.bytes)
-                    )
+                    candidates.append(scorer.handoff(source, destination, "migrate"))
+        for prefill in _least_loaded(prefill_pool, p.shortlist):
+            if prefill is mover:
+                continue
+            for decode in decode_targets:
+                if decode is not prefill:
+                    candidates.append(scorer.handoff(prefill, decode))
         best = min(candidates, key=key)
         predicted = _prediction(best, reference)
         objective = turn.objectives.ttft_ms
+        rejected = best.ttft_ms > objective and p.on_infeasible == "reject"
+        # The placed prefill's slow steps expose the answers decoding beside it later on.
+        self._stalls.place(
+            turn.request_id, None if rejected else best.workers[0], view.now_s, best.slow_steps
+        )
+        self._fresh.pop(turn.request_id, None)
+        if residency is None and not rejected and best.action == "colocate":
+            self._fresh[turn.request_id] = None
+            if len(self._fresh) > MAX_FRESH:
+                for stale in list(self._fresh)[: MAX_FRESH // 4]:
+                    del self._fresh[stale]
         if best.ttft_ms > objective:
             verdict = f"best {best.describe()} predicts TTFT {_ms(best.ttft_ms)} > {_ms(objective)}"
-            if p.on_infeasible == "reject":
+            if rejected:
                 return Reject(
                     retry_after_s=p.retry_after_s, predicted=predicted, reason=f"reject: {verdict}"
                 )
@@ -192,6 +230,10 @@ class AdaptivePolicy:
 
     def observe(self, outcome: Outcome) -> None:
         self.estimates.observe(outcome)
+        self._stalls.forget(outcome.request_id)
+        if outcome.request_id in self._fresh:
+            del self._fresh[outcome.request_id]
+            self.estimates.observe_fresh(outcome)
 
 
 def _rank_key(turn: Turn) -> Callable[[Candidate], tuple[bool, float, int, tuple[str, ...]]]:
@@ -206,6 +248,16 @@ def _rank_key(turn: Turn) -> Callable[[Candidate], tuple[bool, float, int, tuple
         )
 
     return key
+
+
+def _decode_shortlist(workers: list[WorkerView], count: int, scorer: Scorer) -> list[WorkerView]:
+    """The `count` least-loaded workers, and the `count` whose slow steps least expose an
+    answer decoded there."""
+    if len(workers) <= count:
+        return workers
+    chosen = sorted(workers, key=_load_key)[:count]
+    calm = sorted(workers, key=lambda w: (scorer.exposure(w), *_load_key(w)))[:count]
+    return chosen + [w for w in calm if all(w is not c for c in chosen)]
 
 
 def _least_loaded(workers: list[WorkerView], count: int) -> list[WorkerView]:
@@ -239,16 +291,15 @@ def _prediction(chosen: Candidate, reference: Candidate) -> Prediction:
 
 
 def _separation(candidate: Candidate, reference: Candidate) -> tuple[float, float]:
-    """(I avoided, H + dQ + dC) of `candidate` against the colocated `reference`."""
-    avoided = reference.interference_ms - candidate.interference_ms
-    cost = (
-        candidate.transfer_ms
-        + candidate.queue_ms
-        - reference.queue_ms
-        + candidate.compute_ms
-        - reference.compute_ms
-    )
-    return avoided, cost
+    """(I avoided, H + dQ + dC) of `candidate` against the colocated `reference`, in expected
+    objective misses (policies.adaptive_scoring)."""
+    avoided = reference.interference - candidate.interference
+    added = candidate.risk - reference.risk + TTFT_WEIGHT * (_share(candidate) - _share(reference))
+    return avoided, added
+
+
+def _share(candidate: Candidate) -> float:
+    return (candidate.cost - candidate.misses) / TTFT_WEIGHT
 
 
 def _reason(
@@ -259,32 +310,33 @@ def _reason(
     objective: float,
 ) -> str:
     if best is not reference:
-        avoided, cost = _separation(best, reference)
-        text = f"{best.describe()}: I={_ms(avoided)} {_relation(avoided, cost)} H+dQ+dC={_ms(cost)}"
-        if avoided <= cost:
+        avoided, added = _separation(best, reference)
+        text = f"{best.describe()}: {_inequality(best, avoided, added)}"
+        if avoided <= added:
             text += f"; {reference.describe()} misses TTFT ({_ms(reference.ttft_ms)})"
         return text
     rivals = [c for c in candidates if c is not reference]
     if not rivals:
         return f"{best.describe()}: the only candidate"
     rival = min(rivals, key=key)
-    avoided, cost = _separation(rival, reference)
-    text = (
-        f"{best.describe()}: I={_ms(avoided)} {_relation(avoided, cost)} "
-        f"H+dQ+dC={_ms(cost)} of {rival.describe()}"
-    )
+    avoided, added = _separation(rival, reference)
+    text = f"{best.describe()}: {_inequality(rival, avoided, added)} of {rival.describe()}"
     if rival.ttft_ms > objective:
         text += f", which misses TTFT ({_ms(rival.ttft_ms)})"
     return text
 
 
+def _inequality(candidate: Candidate, avoided: float, added: float) -> str:
+    relation = ">" if avoided > added else "<="
+    return (
+        f"I={avoided:.2f} {relation} H+dQ+dC={added:.2f} misses "
+        f"(H={_ms(candidate.transfer_ms)}, TTFT {_ms(candidate.ttft_ms)})"
+    )
+
+
 def _ms(value: float) -> str:
     text = f"{value:.0f}"
     return ("0" if text == "-0" else text) + "ms"
-
-
-def _relation(avoided: float, cost: float) -> str:
-    return ">" if avoided > cost else "<="
 
 
 def _decision(candidate: Candidate, predicted: Prediction, reason: str) -> Decision:

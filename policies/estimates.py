@@ -17,9 +17,12 @@ B = HBM bytes/s x tp x 0.85 (the prior's efficiencies):
       compute = b (2 P + 4 L H d x) / F
       memory  = (W + kv b (x + 1)) / B
       step    = O + max(gc x compute, gm x memory)
-- queue wait behind q requests: base + fq x q x typical, where `typical` is the EWMA of
-  observed prefill times (what each request ahead costs), `base` the EWMA of waits at q = 0;
-- link rate: EWMA of observed bytes / second per (src, dst) link.
+- queue wait behind q requests: base + fq x q x typical, where `typical` is the EWMA of the
+  predicted prefill of each turn served (what a request ahead costs; an observed prefill stage
+  also holds the wait before it), `base` the EWMA of waits at q = 0;
+- link rate: EWMA of observed bytes / second per (src, dst) link;
+- workload means: the answer length (completion tokens) and the shared prefix, the tokens a
+  fresh session's first turn, run whole on one worker, found cached there (`observe_fresh`).
 
 Each roof has its own correction factor, kept fleet-wide and per worker (a worker starts from
 the fleet's factors when it first reports; a worker that never reported uses the fleet's). An
@@ -29,7 +32,8 @@ roof alone would exceed the observation. Two factors per quantity let a prior GP
 and bandwidth ratios differ from the real one's (h200 prior, a100 truth: 3.2x the FLOP/s but
 2.4x the bandwidth) converge in both regimes. Factors stay within [0.05, 20]; non-finite,
 non-positive, hour-long and failed observations are ignored. Means (context, typical prefill,
-queue base) start as running means with the prior as one sample, then turn into EWMAs.
+queue base, answer length, shared prefix) start as running means with the prior as one
+sample, then turn into EWMAs.
 
 Outcome counts: `worker_running_at_start` is read as the decode batch the turn joined (and, for
 a turn prefilled where it decodes, the streams its prefill shared steps with, at the mean
@@ -45,6 +49,8 @@ from policies.hardware import RooflinePrior, Terms, gpu_preset, model_preset
 from policies.types import Outcome
 
 TYPICAL_PROMPT_TOKENS = 2048
+TYPICAL_COMPLETION_TOKENS = 256
+COMPLETION_TOKENS_MAX = 1 << 20
 FACTOR_MIN = 0.05
 FACTOR_MAX = 20.0
 LINK_BPS_MIN = 1e6
@@ -129,6 +135,8 @@ class Estimates:
         self._decode_by_worker = self._prefill_by_worker
         self._link_bps: dict[tuple[str, str], float] = {}
         self._context = _Average(float(TYPICAL_PROMPT_TOKENS), rate * CONTEXT_RATE_FRACTION)
+        self._completion = _Average(float(TYPICAL_COMPLETION_TOKENS), rate * CONTEXT_RATE_FRACTION)
+        self._shared = _Average(0.0, rate)
         self._typical_prefill = _Average(self.prefill_ms(TYPICAL_PROMPT_TOKENS), rate)
         self._queue_base = _Average(0.0, rate)
         self._queue_factor = 1.0
@@ -185,7 +193,27 @@ class Estimates:
         """The mean context of the decode streams seen so far (EWMA)."""
         return self._context.value
 
-    def queue_wait_ms(self, depth: int) -> float:
+    @property
+    def mean_completion_tokens(self) -> float:
+        """The mean length of the answers seen so far, in tokens (EWMA)."""
+        return self._completion.value
+
+    @property
+    def shared_prefix_tokens(self) -> float:
+        """The prefix a fresh session finds cached on a worker it never ran on (EWMA)."""
+        return self._shared.value
+
+    def observe_fresh(self, outcome: Outcome) -> None:
+        """Learn the shared prefix from a session's first turn, run whole on one worker."""
+        if outcome.ok and outcome.action == "colocate" and outcome.prompt_tokens > 0:
+            self._shared.add(min(max(0, outcome.cached_tokens), outcome.prompt_tokens))
+
+    @property
+    def typical_prefill_ms(self) -> float:
+        """What one queued request's prefill takes in this workload (EWMA of predictions)."""
+        return self._typical_prefill.value
+
+    def queue_wait_ms(self, depth: float) -> float:
         """Wait before a new request's prefill starts behind `depth` queued requests."""
         if depth <= 0:
             return self._queue_base.value
@@ -212,10 +240,16 @@ class Estimates:
         if not outcome.ok:
             return
         running = max(0, outcome.worker_running_at_start)
-        if _plausible(outcome.decode_ms) and outcome.completion_tokens >= 2:
+        if 0 < outcome.completion_tokens < COMPLETION_TOKENS_MAX:
+            self._completion.add(outcome.completion_tokens)
+        decoded = _plausible(outcome.decode_ms) and outcome.completion_tokens >= 2
+        if decoded:
             self._observe_decode(outcome, running)
-        if _plausible(outcome.prefill_ms):
+        prefilled = _plausible(outcome.prefill_ms)
+        if prefilled:
             self._observe_prefill(outcome, running)
+        if decoded or prefilled:
+            self._observe_size(outcome)
         if outcome.queue_ms is not None and 0.0 <= outcome.queue_ms < STAGE_MS_MAX:
             self._observe_queue(outcome.queue_ms, outcome.worker_waiting_at_start)
         if _plausible(outcome.transfer_ms) and outcome.transfer_bytes > 0:
@@ -246,7 +280,14 @@ class Estimates:
             terms,
             outcome.prefill_ms,
         )
-        self._typical_prefill.add(outcome.prefill_ms)
+
+    def _observe_size(self, outcome: Outcome) -> None:
+        """What a request ahead in a queue costs: this workload's prefill, as predicted (an
+        observed prefill stage also holds the wait before it)."""
+        prompt = max(0, outcome.prompt_tokens)
+        cached = min(max(0, outcome.cached_tokens), prompt)
+        worker = outcome.prefill_worker or outcome.decode_worker
+        self._typical_prefill.add(self.prefill_ms(prompt - cached, cached, worker))
 
     def _observe_queue(self, queue_ms: float, waiting: int) -> None:
         if waiting <= 0:

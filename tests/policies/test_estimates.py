@@ -324,3 +324,32 @@ def _snapshot(estimates: Estimates) -> tuple[object, ...]:
         estimates.prefill_ms(1000, 0, "p1"),
         estimates.decode_step_ms(8, 1000, "d1"),
     )
+
+
+def test_typical_prefill_is_the_predicted_prefill_of_the_turns_served() -> None:
+    # Colocated turns report no prefill stage (a handoff's holds the queue wait as well):
+    # what a request ahead costs is the prefill predicted for the turns this workload sends.
+    estimates = Estimates.from_presets()
+    assert estimates.typical_prefill_ms == pytest.approx(estimates.prefill_ms(2048))
+    served = _outcome(action="colocate", prefill_worker="d1", decode_ms=630.0)
+    for _ in range(100):
+        estimates.observe(served)
+    assert estimates.typical_prefill_ms == pytest.approx(
+        estimates.prefill_ms(3072, 1024, "d1"), rel=0.01
+    )
+    assert estimates.queue_wait_ms(2) == pytest.approx(2 * estimates.typical_prefill_ms)
+
+
+def test_mean_answer_length_and_shared_prefix_are_running_means() -> None:
+    estimates = Estimates.from_presets(rate=0.1)
+    assert estimates.mean_completion_tokens == 256.0
+    assert estimates.shared_prefix_tokens == 0.0
+    estimates.observe(_outcome(completion_tokens=64))
+    assert estimates.mean_completion_tokens == pytest.approx((256 + 64) / 2)
+    fresh = _outcome(action="colocate", cached_tokens=2048, decode_ms=100.0)
+    estimates.observe_fresh(fresh)
+    assert estimates.shared_prefix_tokens == pytest.approx(1024.0)
+    # Failed turns and split ones (whose decode leg reports the pulled KV) teach nothing.
+    estimates.observe_fresh(msgspec.structs.replace(fresh, ok=False))
+    estimates.observe_fresh(msgspec.structs.replace(fresh, action="handoff"))
+    assert estimates.shared_prefix_tokens == pytest.approx(1024.0)

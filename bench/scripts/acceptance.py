@@ -1,0 +1,399 @@
+"""Acceptance of `adaptive` (issue 3): its max goodput against the best baseline, per workload.
+
+Workloads: the Mooncake trace, both Azure 2023 traces, each class of a workload matrix
+(`bench.workloads`) and its multi-turn classes interleaved ("mixed-multi-turn"). Every variant
+gets a max-goodput search (`bench.des.goodput`, 90% good) on the same GPUs: colocate,
+round-robin, disaggregate at each of `--splits` prefill workers, threshold at each of
+`--thresholds`, adaptive with default parameters (on mixed workers; on the default split for
+reference). Colocate is searched first, the others start at its answer; one process pool.
+
+A finite trace replayed ever faster becomes one burst the cluster absorbs whole, so every probe
+replays `--span-s` seconds of (scaled) arrivals: a trace's turns within span x scale seconds
+(at least `--limit`), or the generated sessions starting within the span (at least
+`--class-turns` turns). Max goodput = the arrival rate of the highest passing probe.
+
+A workload passes when adaptive reaches `needs` x the best baseline: 1.0, or 1.2 with multi-turn
+sessions. Outputs in `--out`: acceptance.md (verdicts, then every variant's max goodput) and
+acceptance.json (per workload and variant: the probes, the summary of the best passing one).
+Run: `.venv/bin/python -m bench.scripts.acceptance --jobs 2 --out bench-out/acceptance`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import multiprocessing
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from pathlib import Path
+
+import msgspec
+
+from bench.des import SimConfig
+from bench.des.goodput import Search, goodput_search
+from bench.layout import ClusterSpec, default_prefill_workers, worker_roles
+from bench.metrics import RunSummary
+from bench.simulate import GOODPUT_TARGET, PolicyRun, plan_runs, run_one
+from bench.traces import Trace, load_trace
+from bench.workloads import WorkloadSpec, cells, generate_matrix
+
+TRACES = (("mooncake", "mooncake_synthetic_trace.jsonl"),
+          ("azure-conv", "azure2023_AzureLLMInferenceTrace_conv.csv"),
+          ("azure-code", "azure2023_AzureLLMInferenceTrace_code.csv"))  # fmt: skip
+MULTI_TURN_NEEDS = 1.2
+
+
+class Variant(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One contender: a policy, its parameters and its layout: `prefill_workers` prefill
+    workers (None: the default) and the rest decode, or with `mixed` every worker mixed."""
+
+    label: str
+    policy: str
+    params: dict[str, str] = {}
+    prefill_workers: int | None = None
+    mixed: bool = False
+
+
+class TraceSource(msgspec.Struct, frozen=True):
+    """A recorded trace; at scale s, its first turns within `span_s` x s s (>= `min_turns`)."""
+
+    trace: Trace
+    min_turns: int
+    span_s: float
+
+    def at(self, scale: float) -> Trace:
+        window = self.span_s * scale
+        turns = itertools.takewhile(lambda t: t.turn.arrival_s <= window, self.trace.iter_turns())
+        return self.trace.slice(max(self.min_turns, sum(1 for _ in turns)))
+
+
+class MatrixSource(msgspec.Struct, frozen=True):
+    """Generated sessions; at scale s, those starting within `span_s` x s s (>= `min_sessions`
+    a class): more sessions extend one arrival sequence (its generator has its own seed)."""
+
+    spec: WorkloadSpec
+    min_sessions: int
+    span_s: float
+
+    def at(self, scale: float) -> Trace:
+        classes = len(cells(self.spec))
+        wanted = math.ceil(self.spec.arrival.rate_rps * scale * self.span_s / classes)
+        per_class = max(self.min_sessions, wanted)
+        return generate_matrix(msgspec.structs.replace(self.spec, sessions_per_class=per_class))
+
+
+class Workload(msgspec.Struct, frozen=True):
+    name: str
+    source: TraceSource | MatrixSource
+    needs: float  # adaptive's max goodput / the best baseline's at least
+
+
+class Offered(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One probe: scale, attainment, turns, arrival rate (turns / their scaled span)."""
+
+    rate_scale: float
+    attainment: float
+    turns: int
+    rps: float
+
+
+class Measured(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A variant's search: max goodput 0 if nothing passed, a lower bound if nothing failed."""
+
+    label: str
+    best_scale: float | None
+    failing_scale: float | None
+    max_goodput_rps: float
+    probes: list[Offered]
+    best: RunSummary | None
+    failure: str | None = None
+
+
+class Verdict(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    workload: str
+    needs: float
+    baseline: str
+    baseline_rps: float
+    adaptive_rps: float
+    ratio: float
+    passed: bool
+    measured: list[Measured]
+
+
+def variants(splits: Sequence[int], thresholds: Sequence[int], split: bool = True) -> list[Variant]:
+    """Colocate first (the pilot), the other baselines, adaptive on mixed workers (judged: it
+    splits per turn), and with `split` adaptive on the default fixed split (for reference)."""
+    out = [Variant("colocate", "colocate"), Variant("round-robin", "round-robin")]
+    out += [Variant(f"disaggregate K={k}", "disaggregate", prefill_workers=k) for k in splits]
+    out += [Variant(f"threshold {t}", "threshold", {"threshold": str(t)}) for t in thresholds]
+    out.append(Variant("adaptive", "adaptive", mixed=True))
+    if split:
+        out.append(Variant("adaptive (fixed split)", "adaptive"))
+    return out
+
+
+def trace_workloads(directory: Path, min_turns: int, span_s: float) -> list[Workload]:
+    traces = [(name, load_trace(directory / filename)) for name, filename in TRACES]
+    return [Workload(n, TraceSource(t, min_turns, span_s), _needs(t)) for n, t in traces]
+
+
+def matrix_workloads(spec: WorkloadSpec, min_turns: int, span_s: float) -> list[Workload]:
+    """A workload per class of `spec` (`rate_rps`: its sessions/s at scale 1), and its
+    multi-turn classes interleaved ("mixed-multi-turn", `rate_rps` over them all)."""
+    workloads, multi = [], []
+    for cell in cells(spec):
+        one = msgspec.structs.replace(spec, name=cell.klass, prompt_tokens=(cell.prompt,),
+            output_tokens=(cell.output,), reuse=(cell.reuse,), turns=(cell.turns,))  # fmt: skip
+        source = MatrixSource(one, -(-min_turns // cell.turns), span_s)
+        workloads.append(Workload(cell.klass, source, _needs(source.at(1.0))))
+        multi += [cell.turns] if cell.turns > 1 else []
+    if len(multi) > 1:
+        whole = msgspec.structs.replace(spec, name="mixed-multi-turn", reuse=("multi-turn",))
+        source = MatrixSource(whole, -(-min_turns // sum(multi)), span_s)
+        workloads.append(Workload("mixed-multi-turn", source, MULTI_TURN_NEEDS))
+    return workloads
+
+
+def _needs(trace: Trace) -> float:
+    return MULTI_TURN_NEEDS if any(len(c.turns) > 1 for c in trace.conversations) else 1.0
+
+
+_SOURCES: dict[str, TraceSource | MatrixSource] = {}
+
+
+def _init(sources: dict[str, TraceSource | MatrixSource]) -> None:
+    _SOURCES.update(sources)
+
+
+def _probe(workload: str, run: PolicyRun, scale: float) -> tuple[RunSummary, Offered, str | None]:
+    trace = _SOURCES[workload].at(scale)
+    outcome = run_one(trace, run, scale)
+    rps = trace.num_turns * scale / trace.duration_s if trace.duration_s > 0 else 0.0
+    offered = Offered(scale, outcome.summary.slo_attainment, trace.num_turns, rps)
+    return outcome.summary, offered, outcome.failure.describe() if outcome.failure else None
+
+
+class _Search:
+    """One (workload, variant) search: its probes and the summaries of the passing ones."""
+
+    def __init__(self, workload: str, variant: Variant, run: PolicyRun, known: Measured | None):
+        self.workload, self.variant, self.run, self.result = workload, variant, run, known
+        self.search: Search | None = None
+        self.probes: list[Offered] = []
+        self.passing: dict[float, RunSummary] = {}
+
+    def start(self, scale: float, tolerance: float) -> float:
+        self.search = search = goodput_search(GOODPUT_TARGET, start=scale, tolerance=tolerance)
+        return next(search)
+
+    def advance(self, summary: RunSummary, offered: Offered, failure: str | None) -> float | None:
+        """Feed one probe; the next scale, or None once `result` is set."""
+        assert self.search is not None
+        self.probes.append(offered)
+        if failure is not None:
+            self.search.close()
+            self.result = Measured(self.variant.label, None, None, 0.0, self.probes, None, failure)
+            return None
+        if offered.attainment >= GOODPUT_TARGET:
+            self.passing[offered.rate_scale] = summary
+        try:
+            return self.search.send(offered.attainment)
+        except StopIteration as stop:
+            best, failing = stop.value.best_scale, stop.value.failing_scale
+            rps = max((p.rps for p in self.probes if p.rate_scale == best), default=0.0)
+            found = self.passing.get(best) if best is not None else None
+            self.result = Measured(self.variant.label, best, failing, rps, self.probes, found)
+            return None
+
+
+OnProbe = Callable[[str, str, Offered, int, int], None]  # workload, label, probe, done, open
+
+
+def measure(
+    workloads: Sequence[Workload], contenders: Sequence[Variant], template: SimConfig,
+    jobs: int, tolerance: float = 0.05, on_probe: OnProbe | None = None,
+    known: Mapping[str, Mapping[str, Measured]] | None = None,
+) -> dict[str, list[Measured]]:  # fmt: skip
+    """Every variant's max-goodput search on every workload, by workload, in variant order;
+    `known` results (by workload, then label) are kept, not searched again."""
+    known = known or {}
+    plans = [_plan(v, template) for v in contenders]
+    searches = {
+        w.name: [_Search(w.name, v, run, known.get(w.name, {}).get(v.label))
+                 for v, run in zip(contenders, plans, strict=True)]
+        for w in workloads
+    }  # fmt: skip
+    sources = {w.name: w.source for w in workloads}
+    context = multiprocessing.get_context("forkserver")
+    pending: dict[Future[tuple[RunSummary, Offered, str | None]], _Search] = {}
+    done = 0
+    with ProcessPoolExecutor(jobs, context, _init, (sources,)) as pool:
+
+        def submit(search: _Search, scale: float) -> None:
+            pending[pool.submit(_probe, search.workload, search.run, scale)] = search
+
+        def start_open(group: list[_Search]) -> None:
+            """The first open search alone while none is done; then all the others, from the
+            highest scale a finished one reached."""
+            if any(s.search is not None and s.result is None for s in group):
+                return
+            open_ = [s for s in group if s.search is None and s.result is None]
+            reached = [s.result.best_scale for s in group if s.result and s.result.best_scale]
+            for search in open_ if any(s.result for s in group) else open_[:1]:
+                submit(search, search.start(max(reached, default=1.0), tolerance))
+
+        for group in searches.values():
+            start_open(group)
+        while pending:
+            finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for future in finished:
+                search = pending.pop(future)
+                summary, offered, failure = future.result()
+                done += 1
+                following = search.advance(summary, offered, failure)
+                if on_probe is not None:
+                    on_probe(search.workload, search.variant.label, offered, done, len(pending))
+                if following is None:
+                    start_open(searches[search.workload])
+                else:
+                    submit(search, following)
+    return {name: [s.result for s in group if s.result] for name, group in searches.items()}
+
+
+def _plan(variant: Variant, template: SimConfig) -> PolicyRun:
+    params = {variant.policy: variant.params} if variant.params else None
+    (run,) = plan_runs([variant.policy], template, variant.prefill_workers, params)
+    # Mixed workers as colocate's (bench.layout gives a splitting policy a fixed split).
+    mixed = msgspec.structs.replace(run.config, roles=template.roles)
+    return msgspec.structs.replace(run, config=mixed) if variant.mixed else run
+
+
+def verdict(workload: Workload, measured: list[Measured]) -> Verdict:
+    """Adaptive against the best baseline (the first of equals, in variant order)."""
+    adaptive = next(m for m in measured if m.label == "adaptive")
+    baselines = [m for m in measured if not m.label.startswith("adaptive")]
+    best = max(baselines, key=lambda m: m.max_goodput_rps)
+    ours, theirs = adaptive.max_goodput_rps, best.max_goodput_rps
+    ratio = ours / theirs if theirs > 0 else (math.inf if ours > 0 else 1.0)
+    passed = adaptive.failure is None and ratio >= workload.needs
+    return Verdict(workload.name, workload.needs, best.label, best.max_goodput_rps,
+                   adaptive.max_goodput_rps, ratio, passed, measured)  # fmt: skip
+
+
+def _rps(m: Measured) -> str:
+    unbounded = m.best_scale is not None and m.failing_scale is None
+    return "failed" if m.failure else (">=" if unbounded else "") + f"{m.max_goodput_rps:.3g}"
+
+
+def render(verdicts: Sequence[Verdict], command: str, notes: Sequence[str]) -> str:
+    lines = [
+        "# Adaptive acceptance: max goodput (>= 90% of requests meet TTFT and ITL objectives)",
+        "", f"Command: `{command}`", "", *[f"- {note}" for note in notes], "",
+        "| workload | needs | best baseline | its max goodput/s | adaptive max goodput/s "
+        "| ratio | verdict |", "|---|---:|---|---:|---:|---:|---|",
+    ]  # fmt: skip
+    lines += [f"| {v.workload} | {v.needs:g}x | {v.baseline} | {v.baseline_rps:.3g} | "
+              f"{v.adaptive_rps:.3g} | {v.ratio:.2f} | {'pass' if v.passed else 'FAIL'} |"
+              for v in verdicts]  # fmt: skip
+    lines += ["", f"{sum(v.passed for v in verdicts)} of {len(verdicts)} workloads pass.", ""]
+    labels = [m.label for m in verdicts[0].measured] if verdicts else []
+    head = "| workload | " + " | ".join(labels) + " |"
+    lines += ["## Max goodput per variant (requests/s)", "", head, "|---|" + "---:|" * len(labels)]
+    lines += [f"| {v.workload} | " + " | ".join(map(_rps, v.measured)) + " |" for v in verdicts]
+    return "\n".join([*lines, ""])
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(",") if part.strip())
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="adaptive's acceptance figures (issue 3)")
+    add = parser.add_argument
+    add("--traces-dir", type=Path, default=Path("/work/shared/traces"))
+    add("--limit", type=int, default=1500, help="at least this many turns of each trace")
+    add("--span-s", type=float, default=30.0, help="seconds of arrivals each probe replays")
+    add("--cluster", default="8xh200-sxm/llama-3.1-8b")
+    add("--splits", type=_ints, default=(1, 2, 3, 4), help="disaggregate prefill workers")
+    add("--thresholds", type=_ints, default=(256, 1024, 4096, 16384))
+    add("--prompts", type=_ints, default=(512, 4096, 16384), help="matrix prompt tokens")
+    add("--outputs", type=_ints, default=(64, 512), help="matrix output tokens")
+    add("--reuse", default="none,system-prefix,multi-turn", help="matrix reuse modes")
+    add("--turns", type=int, default=4, help="turns of a multi-turn session")
+    add("--class-turns", type=int, default=400, help="at least this many turns per class")
+    add("--session-rate", type=float, default=1.0, help="matrix sessions/s at scale 1")
+    add("--think-s", type=float, default=2.0, help="mean think time between turns")
+    add("--seed", type=int, default=0)
+    add("--only", default="", help="comma-separated workload names (default all)")
+    add("--baselines", type=Path, metavar="JSON", help="reuse an acceptance.json's results")
+    add("--remeasure", default="adaptive", help="labels --baselines searches again")
+    add("--no-adaptive-split", action="store_true", help="skip adaptive on the fixed split")
+    add("--tolerance", type=float, default=0.05, help="search bracket ratio")
+    add("--jobs", type=int, default=2)
+    add("--out", type=Path, default=Path("bench-out/acceptance"))
+    return parser
+
+
+def matrix_spec(args: argparse.Namespace) -> WorkloadSpec:
+    """The matrix the options describe (msgspec validates the reuse modes)."""
+    return msgspec.convert({
+        "name": "matrix", "prompt_tokens": args.prompts, "output_tokens": args.outputs,
+        "reuse": args.reuse.split(","), "turns": [args.turns], "seed": args.seed,
+        "arrival": {"process": "poisson", "rate_rps": args.session_rate},
+        "think": {"distribution": "exponential", "mean_s": args.think_s},
+    }, WorkloadSpec)  # fmt: skip
+
+
+def workloads_of(args: argparse.Namespace) -> list[Workload]:
+    workloads = trace_workloads(args.traces_dir, args.limit, args.span_s)
+    workloads += matrix_workloads(matrix_spec(args), args.class_turns, args.span_s)
+    only = {name.strip() for name in args.only.split(",") if name.strip()}
+    return [w for w in workloads if not only or w.name in only]
+
+
+def reused(path: Path, remeasure: str) -> dict[str, dict[str, Measured]]:
+    """The measurements of an earlier run by workload and label, less those to `remeasure`."""
+    done = msgspec.json.decode(path.read_bytes(), type=list[Verdict])
+    again = set(remeasure.split(","))
+    return {v.workload: {m.label: m for m in v.measured if m.label not in again} for v in done}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    cluster = ClusterSpec.parse(args.cluster)
+    template = SimConfig(cluster=cluster, roles=tuple(worker_roles("colocate", cluster.workers)))
+    workloads = workloads_of(args)
+    started = time.monotonic()
+
+    def on_probe(workload: str, label: str, p: Offered, done: int, open_: int) -> None:
+        print(f"[{time.monotonic() - started:5.0f}s] {done} probes, {open_} open: {workload} / "
+              f"{label} @ {p.rate_scale:.4g}x ({p.turns} turns, {p.rps:.3g}/s): {p.attainment:.1%}"
+              " good", file=sys.stderr, flush=True)  # fmt: skip
+
+    contenders = variants(args.splits, args.thresholds, not args.no_adaptive_split)
+    known = reused(args.baselines, args.remeasure) if args.baselines is not None else None
+    results = measure(workloads, contenders, template, args.jobs, args.tolerance, on_probe, known)
+    verdicts = [verdict(w, results[w.name]) for w in workloads]
+    command = "python -m bench.scripts.acceptance " + " ".join(argv or sys.argv[1:])
+    notes = [
+        f"Discrete-event simulator, {cluster}: colocate and adaptive on {cluster.workers} mixed "
+        "workers, the others (and adaptive (fixed split), not judged) on K prefill + the rest "
+        f"decode workers (K = {default_prefill_workers(cluster.workers)} unless named).",
+        f"Each probe replays {args.span_s:g} s of scaled arrivals: trace turns (at least "
+        f"{args.limit}); matrix sessions (at least {args.class_turns} turns a class; Poisson, "
+        f"{args.session_rate:g}/s at scale 1; think {args.think_s:g} s; seed {args.seed}).",
+        f"Search tolerance {args.tolerance:g}; >= marks a search that never failed. "
+        f"{time.monotonic() - started:.0f} s wall clock, {args.jobs} jobs.",
+    ]  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "acceptance.json").write_bytes(msgspec.json.format(msgspec.json.encode(verdicts)))
+    (args.out / "acceptance.md").write_text(text := render(verdicts, command, notes), "utf-8")
+    print(text)
+    return 0 if all(v.passed for v in verdicts) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
