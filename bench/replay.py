@@ -26,6 +26,7 @@ from the router: every latency is the client's own.
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import random
 import time
@@ -264,6 +265,9 @@ async def replay(
         trace = trace.slice(limit)
     if rate_scale != 1.0:
         trace = trace.scaled(rate_scale)
+    # A loaded trace is many long-lived objects: a full collection walking them would delay
+    # the chunk timestamps of every stream in flight.
+    gc.freeze()
     own = session is None
     if session is None:
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))

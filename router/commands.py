@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import signal
 from typing import Any
@@ -18,6 +19,7 @@ async def serve(config: RouterConfig, announce: bool = True) -> None:
 
     router = Router(config)
     await router.start()
+    gc.freeze()  # what start-up built lives as long as the process: keep it out of collections
     server = HttpServer(router.handle, max_body_bytes=config.max_body_bytes)
     try:
         await server.start(config.host, config.port)

@@ -22,8 +22,25 @@ def token_id(word: str) -> int:
     return zlib.crc32(word.encode("utf-8")) & ID_MASK
 
 
+_ID_OF: dict[str, int] = {}  # word -> id of every word tokenized so far (bounded below)
+_ID_OF_MAX = 1 << 20
+
+
 def tokenize(text: str) -> list[int]:
-    return [token_id(word) for word in text.split()]
+    # A C-level dict pass over the words: a long prompt's admission must not stall every
+    # stream on the worker's event loop (crc32 per word through lru_cache costs 3x more).
+    words = text.split()
+    ids: list[int | None] = list(map(_ID_OF.get, words))
+    if None not in ids:
+        return ids  # type: ignore[return-value]  # every word was known
+    if len(_ID_OF) > _ID_OF_MAX:
+        _ID_OF.clear()
+    out: list[int] = []
+    for known, word in zip(ids, words, strict=True):
+        if known is None:
+            known = _ID_OF[word] = zlib.crc32(word.encode("utf-8")) & ID_MASK
+        out.append(known)
+    return out
 
 
 def count_tokens(text: str) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import uvloop
 from aiohttp import web
@@ -36,9 +37,20 @@ _METRICS = (
 )  # fmt: skip
 
 
-def build_app(chunks: int) -> web.Application:
+def _busy(seconds: float) -> None:
+    """Spend `seconds` of CPU, as a real API server does on each request (see --work-us)."""
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        pass
+
+
+def build_app(chunks: int, work_us: float = 0.0) -> web.Application:
+    work_s = work_us / 1e6
+
     async def generate(request: web.Request) -> web.StreamResponse:
         body = await request.read()
+        if work_s > 0:
+            _busy(work_s)
         if b'"stream":true' not in body.replace(b" ", b""):
             return web.Response(body=_BODY, content_type="application/json")
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -71,10 +83,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=9100)
     parser.add_argument("--chunks", type=int, default=16)
+    parser.add_argument(
+        "--work-us", type=float, default=0.0,
+        help="CPU spent per generation request: a real server tokenises, schedules and "
+        "detokenises; 0 makes the backend unrealistically cheap beside any proxy",
+    )  # fmt: skip
     args = parser.parse_args()
     uvloop.install()
-    web.run_app(build_app(args.chunks), host="127.0.0.1", port=args.port, access_log=None,
-                print=None)  # fmt: skip
+    app = build_app(args.chunks, args.work_us)
+    web.run_app(app, host="127.0.0.1", port=args.port, access_log=None, print=None)
 
 
 if __name__ == "__main__":

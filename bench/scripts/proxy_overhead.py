@@ -2,21 +2,37 @@
 
 Starts `bench.scripts.fast_backend` and `session-router serve` (embedded Redis: the shared
 state is on), then measures with wrk (non-streaming, 1 and 32 connections) and with a streaming
-client: added p50/p99 latency, requests/s ratio, added streamed TTFT, and the router's CPU per
+client: added p50/p99 latency, requests/s ratio, added streamed TTFT, and each proxy's CPU per
 request and per relayed chunk. Needs `wrk` on PATH (Debian package wrk).
 
-    .venv/bin/python -m bench.scripts.proxy_overhead --duration 10
+Reference routers run in the same run, against the same backend, with `--reference
+NAME=COMMAND`, where COMMAND may use {port} and {backend}; e.g. the Rust routers from PyPI
+(`pip install vllm-router sglang-router` into a separate venv):
+
+    --reference "vllm-router=VENV/bin/vllm-router --port {port} --worker-urls {backend}
+                 --policy round_robin --log-level warning"
+
+The requests/s ratio depends on what the backend costs per request: the 32-connection runs are
+CPU-bound on a small machine, so against a backend far cheaper than a real server any proxy
+looks slow. `--work-us 0,150` repeats everything with the backend spending that much CPU per
+request (a real API server tokenises, schedules and detokenises; vLLM's costs milliseconds).
+Each proxy's ratio is against the mean of the direct runs just before and after it.
+
+    .venv/bin/python -m bench.scripts.proxy_overhead --duration 8 --work-us 0,150
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import aiohttp
 
@@ -51,59 +67,94 @@ async def _stream_ttft(url: str, n: int) -> tuple[float, int]:
     return statistics.median(samples), frames
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--duration", type=float, default=10.0)
-    parser.add_argument("--streams", type=int, default=300)
-    parser.add_argument("--chunks", type=int, default=16)
-    args = parser.parse_args()
-    backend_port, router_port = free_port(), free_port()
-    backend_url = f"http://127.0.0.1:{backend_port}"
-    router_url = f"http://127.0.0.1:{router_port}"
-    procs = [
-        subprocess.Popen([sys.executable, "-m", "bench.scripts.fast_backend", "--port",
-                          str(backend_port), "--chunks", str(args.chunks)]),
-        subprocess.Popen([sys.executable, "-m", "session_router_cli", "serve", "--port",
-                          str(router_port), "--mixed", backend_url, "--policy", "colocate",
-                          "--log-level", "warning"], stdout=subprocess.DEVNULL),
-    ]  # fmt: skip
+@contextmanager
+def _processes(commands: list[list[str]]) -> Iterator[list[subprocess.Popen[bytes]]]:
+    procs = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             for cmd in commands]  # fmt: skip
     try:
-        wait_healthy(backend_url)
-        wait_healthy(router_url)
-        router_pid = procs[1].pid
-        with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
-            script.write(_WRK_SCRIPT)
-        run_wrk(router_url + "/v1/completions", 4, 2, script.name)  # warm both paths up
-        run_wrk(backend_url + "/v1/completions", 4, 2, script.name)
-        print(f"{'connections':>11} {'path':>7} {'p50 us':>8} {'p99 us':>8} {'req/s':>9}")
-        for connections in (1, 32):
-            direct = run_wrk(
-                backend_url + "/v1/completions", connections, args.duration, script.name
-            )
-            cpu_before = cpu_seconds(router_pid)
-            routed = run_wrk(
-                router_url + "/v1/completions", connections, args.duration, script.name
-            )
-            cpu = cpu_seconds(router_pid) - cpu_before
-            for name, row in (("direct", direct), ("router", routed)):
-                print(f"{connections:>11} {name:>7} {row['p50_us']:>8.0f} {row['p99_us']:>8.0f} "
-                      f"{row['rps']:>9.0f}")  # fmt: skip
-            print(f"{'':>11} added p50 {routed['p50_us'] - direct['p50_us']:+.0f} us, "
-                  f"p99 {routed['p99_us'] - direct['p99_us']:+.0f} us, "
-                  f"throughput {routed['rps'] / direct['rps']:.2f}x direct, "
-                  f"router CPU {cpu / routed['requests'] * 1e6:.0f} us/request")  # fmt: skip
-        direct_ttft, _ = asyncio.run(_stream_ttft(backend_url, args.streams))
-        cpu_before = cpu_seconds(router_pid)
-        routed_ttft, frames = asyncio.run(_stream_ttft(router_url, args.streams))
-        cpu = cpu_seconds(router_pid) - cpu_before
-        print(f"streamed TTFT p50: direct {direct_ttft * 1e6:.0f} us, router "
-              f"{routed_ttft * 1e6:.0f} us (added {(routed_ttft - direct_ttft) * 1e6:+.0f} us); "
-              f"router CPU {cpu / args.streams * 1e6:.0f} us/stream, "
-              f"{cpu / max(1, frames) * 1e6:.1f} us/relayed chunk")  # fmt: skip
+        yield procs
     finally:
         for proc in procs:
             proc.terminate()
-            proc.wait(timeout=10)
+        for proc in procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _row(name: str, row: dict[str, float]) -> str:
+    return f"{name:>22} {row['p50_us']:>8.0f} {row['p99_us']:>8.0f} {row['rps']:>9.0f}"
+
+
+def _measure(args: argparse.Namespace, work_us: float, script: str) -> None:
+    backend_port, router_port = free_port(), free_port()
+    backend = f"http://127.0.0.1:{backend_port}"
+    proxies = {"session-router": f"http://127.0.0.1:{router_port}"}
+    commands = [
+        [sys.executable, "-m", "bench.scripts.fast_backend", "--port", str(backend_port),
+         "--chunks", str(args.chunks), "--work-us", str(work_us)],
+        [sys.executable, "-m", "session_router_cli", "serve", "--port", str(router_port),
+         "--mixed", backend, "--policy", "colocate", "--log-level", "warning"],
+    ]  # fmt: skip
+    for reference in args.reference:
+        name, _, template = reference.partition("=")
+        port = free_port()
+        proxies[name] = f"http://127.0.0.1:{port}"
+        commands.append(shlex.split(template.format(port=port, backend=backend)))
+    with _processes(commands) as procs:
+        pids = {name: procs[1 + i].pid for i, name in enumerate(proxies)}
+        for url in (backend, *proxies.values()):
+            wait_healthy(url, timeout_s=60)
+        for url in (backend, *proxies.values()):
+            run_wrk(url + "/v1/completions", 4, 2, script)  # warm every path up
+        print(f"\nbackend work {work_us:g} us/request")
+        print(f"{'connections / path':>22} {'p50 us':>8} {'p99 us':>8} {'req/s':>9}")
+        for connections in (1, 32):
+            direct = run_wrk(backend + "/v1/completions", connections, args.duration, script)
+            print(_row(f"{connections} direct", direct))
+            for name, url in proxies.items():
+                cpu_before = cpu_seconds(pids[name])
+                routed = run_wrk(url + "/v1/completions", connections, args.duration, script)
+                cpu = cpu_seconds(pids[name]) - cpu_before
+                after = run_wrk(backend + "/v1/completions", connections, args.duration, script)
+                rps = (direct["rps"] + after["rps"]) / 2
+                p50 = (direct["p50_us"] + after["p50_us"]) / 2
+                p99 = (direct["p99_us"] + after["p99_us"]) / 2
+                print(_row(f"{connections} {name}", routed))
+                print(f"{'':>22} added p50 {routed['p50_us'] - p50:+.0f} us, "
+                      f"p99 {routed['p99_us'] - p99:+.0f} us, throughput "
+                      f"{routed['rps'] / rps:.2f}x direct, "
+                      f"CPU {cpu / routed['requests'] * 1e6:.0f} us/request")  # fmt: skip
+                print(_row(f"{connections} direct", after))
+                direct = after
+        direct_ttft, _ = asyncio.run(_stream_ttft(backend, args.streams))
+        for name, url in proxies.items():
+            cpu_before = cpu_seconds(pids[name])
+            routed_ttft, frames = asyncio.run(_stream_ttft(url, args.streams))
+            cpu = cpu_seconds(pids[name]) - cpu_before
+            print(f"{name}: streamed TTFT p50 direct {direct_ttft * 1e6:.0f} us, proxied "
+                  f"{routed_ttft * 1e6:.0f} us (added {(routed_ttft - direct_ttft) * 1e6:+.0f} "
+                  f"us); CPU {cpu / args.streams * 1e6:.0f} us/stream, "
+                  f"{cpu / max(1, frames) * 1e6:.1f} us/relayed chunk")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--duration", type=float, default=10.0)
+    parser.add_argument("--streams", type=int, default=300)
+    parser.add_argument("--chunks", type=int, default=16)
+    parser.add_argument("--work-us", default="0", help="comma-separated backend CPU per request")
+    parser.add_argument("--reference", action="append", default=[], metavar="NAME=COMMAND",
+                        help="another router to measure in the same run")  # fmt: skip
+    args = parser.parse_args()
+    for reference in args.reference:
+        if "=" not in reference:
+            parser.error(f"--reference wants NAME=COMMAND, got {reference!r}")
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
+        script.write(_WRK_SCRIPT)
+    for work in args.work_us.split(","):
+        _measure(args, float(work), script.name)
 
 
 if __name__ == "__main__":
