@@ -48,6 +48,7 @@ class TurnContext:
     record: SessionRecord | None
     events: StageEvents
     headers: dict[str, str]
+    prompt_chars: int = 0  # characters of prompt text, for calibrating token estimates
     usage: Usage | None = None
     failed_midstream: bool = False
     served_by: str | None = None

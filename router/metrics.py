@@ -1,8 +1,8 @@
 """The router's own Prometheus metrics (seconds and bytes), served on its /metrics.
 
-Every method here may run on a request's path, so each is an in-memory update of a labelled
-child that is created once and then found in a dict: `.labels()` (a lock and a tuple build in
-prometheus_client) runs only the first time a label combination is seen.
+Every method here may run on a request's path. Those that run on every turn update plain
+numbers (`router.metric_cells`), exported when /metrics is scraped; the rarer ones use
+prometheus_client children created once and then found in a dict.
 
 `router_estimate_error_ratio{term}` is a histogram, not a gauge: a gauge would show only the
 last turn's error, while calibrating the policies needs the distribution (bias is the median's
@@ -29,6 +29,7 @@ from prometheus_client import (
 
 from policies.types import Action, Prediction
 from router.events import EventOutcome
+from router.metric_cells import CellsCollector, CounterCells, GaugeCells, HistogramCells
 
 if TYPE_CHECKING:
     from router.telemetry import WorkerLoad
@@ -61,23 +62,18 @@ class RouterMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         reg = self.registry
-        self.requests_total = Counter(
-            "router_requests_total",
+        # Label values known up front are bound now, so they render as 0 before first use.
+        self.requests_total = CounterCells(
+            "router_requests",
             "Turns finished, by action and outcome.",
             ["action", "outcome"],
-            registry=reg,
+            known=[(a, o) for a in get_args(Action) for o in get_args(EventOutcome)],
         )
-        self.decisions_total = Counter(
-            "router_decisions_total",
-            "Placement decisions, by policy and action.",
-            ["policy", "action"],
-            registry=reg,
+        self.decisions_total = CounterCells(
+            "router_decisions", "Placement decisions, by policy and action.", ["policy", "action"]
         )
-        self.decision_seconds = Histogram(
-            "router_decision_seconds",
-            "Time in policy.decide.",
-            buckets=DECISION_BUCKETS,
-            registry=reg,
+        self.decision_seconds = HistogramCells(
+            "router_decision_seconds", "Time in policy.decide.", DECISION_BUCKETS
         )
         self.redis_roundtrip_seconds = Histogram(
             "router_redis_roundtrip_seconds",
@@ -86,32 +82,25 @@ class RouterMetrics:
             buckets=REDIS_BUCKETS,
             registry=reg,
         )
-        self.ttft_seconds = Histogram(
-            "router_ttft_seconds",
-            "Admission to the first content chunk relayed.",
-            buckets=TTFT_BUCKETS,
-            registry=reg,
+        self.ttft_seconds = HistogramCells(
+            "router_ttft_seconds", "Admission to the first content chunk relayed.", TTFT_BUCKETS
         )
-        self.handoff_seconds = Histogram(
+        self.handoff_seconds = HistogramCells(
             "router_handoff_seconds",
             "Prefill end to decode start of a handed-off turn.",
-            buckets=HANDOFF_BUCKETS,
-            registry=reg,
+            HANDOFF_BUCKETS,
         )
-        self.transfer_bytes_total = Counter(
-            "router_transfer_bytes_total", "KV bytes moved between workers.", registry=reg
+        self.transfer_bytes_total = CounterCells(
+            "router_transfer_bytes", "KV bytes moved between workers."
         )
-        self.inflight = Gauge(
-            "router_inflight",
-            "Turns this router has in flight, by worker.",
-            ["worker"],
-            registry=reg,
+        self.inflight = GaugeCells(
+            "router_inflight", "Turns this router has in flight, by worker.", ["worker"]
         )
         self.rejected_total = Counter(
             "router_rejected_total", "Rejected turns, by reason.", ["reason"], registry=reg
         )
-        self.recomputed_tokens_total = Counter(
-            "router_recomputed_tokens_total", "Context tokens prefilled again.", registry=reg
+        self.recomputed_tokens_total = CounterCells(
+            "router_recomputed_tokens", "Context tokens prefilled again."
         )
         self.degraded = Gauge(
             "router_degraded",
@@ -137,12 +126,12 @@ class RouterMetrics:
             ["src", "dst"],
             registry=reg,
         )
-        self.estimate_error_ratio = Histogram(
+        self.estimate_error_ratio = HistogramCells(
             "router_estimate_error_ratio",
-            "(realised - predicted) / |predicted|, by term.",
+            "realised / predicted, by term.",
+            ERROR_RATIO_BUCKETS,
             ["term"],
-            buckets=ERROR_RATIO_BUCKETS,
-            registry=reg,
+            known=[(term,) for _, term in ESTIMATE_TERMS],
         )
         self.client_disconnects_total = Counter(
             "router_client_disconnects_total", "Clients gone before the end.", registry=reg
@@ -154,23 +143,17 @@ class RouterMetrics:
             registry=reg,
         )
 
-        # Label values known up front are bound now, so they render as 0 before first use.
-        self._requests: dict[tuple[str, str], Counter] = {
-            (action, outcome): self.requests_total.labels(action, outcome)
-            for action in get_args(Action)
-            for outcome in get_args(EventOutcome)
-        }
-        self._error_ratio: dict[str, Histogram] = {
-            field: self.estimate_error_ratio.labels(term) for field, term in ESTIMATE_TERMS
-        }
-        self._decisions: dict[tuple[str, str], Counter] = {}
+        CellsCollector([
+            self.requests_total, self.decisions_total, self.decision_seconds,
+            self.ttft_seconds, self.handoff_seconds, self.transfer_bytes_total, self.inflight,
+            self.recomputed_tokens_total, self.estimate_error_ratio,
+        ]).register(reg)  # fmt: skip
         self._redis: dict[str, Histogram] = {}
         # the reasons the router uses, exported at 0 from the start
         self._rejected: dict[str, Counter] = {
             reason: self.rejected_total.labels(reason) for reason in REJECT_REASONS
         }
         self._retries: dict[str, Counter] = {}
-        self._inflight: dict[str, Gauge] = {}
         self._upstream_errors: dict[tuple[str, str], Counter] = {}
         self._workers: dict[str, tuple[Gauge, Gauge, Gauge, Gauge]] = {}
         self._links: dict[tuple[str, str], tuple[Gauge, Gauge]] = {}
@@ -182,21 +165,15 @@ class RouterMetrics:
         """Create the per-worker children now, so every worker shows from the first scrape."""
         for worker_id in worker_ids:
             self._worker_children(worker_id)
-            self._inflight_child(worker_id)
+            self.inflight.add((worker_id,), 0)
 
     # --- request path -------------------------------------------------------------------
 
     def request_done(self, action: str, outcome: str) -> None:
-        child = self._requests.get((action, outcome))
-        if child is None:
-            child = self._requests[action, outcome] = self.requests_total.labels(action, outcome)
-        child.inc()
+        self.requests_total.inc((action, outcome))
 
     def decision(self, policy: str, action: str, seconds: float) -> None:
-        child = self._decisions.get((policy, action))
-        if child is None:
-            child = self._decisions[policy, action] = self.decisions_total.labels(policy, action)
-        child.inc()
+        self.decisions_total.inc((policy, action))
         self.decision_seconds.observe(seconds)
 
     def redis_roundtrip(self, kind: str, seconds: float) -> None:
@@ -212,11 +189,11 @@ class RouterMetrics:
         self.handoff_seconds.observe(seconds)
 
     def transferred(self, nbytes: int) -> None:
-        self.transfer_bytes_total.inc(nbytes)
+        self.transfer_bytes_total.inc((), nbytes)
 
     def inflight_add(self, worker_id: str, delta: int) -> None:
         """+1 when a turn is sent to a worker, -1 when it ends there."""
-        self._inflight_child(worker_id).inc(delta)
+        self.inflight.add((worker_id,), delta)
 
     def rejected(self, reason: str) -> None:
         child = self._rejected.get(reason)
@@ -225,7 +202,7 @@ class RouterMetrics:
         child.inc()
 
     def recomputed(self, tokens: int) -> None:
-        self.recomputed_tokens_total.inc(tokens)
+        self.recomputed_tokens_total.inc((), tokens)
 
     def set_degraded(self, degraded: bool) -> None:
         self.degraded.set(1 if degraded else 0)
@@ -248,10 +225,11 @@ class RouterMetrics:
 
     def estimate_error(self, predicted: Prediction, realised: Prediction) -> None:
         """One observation per term the policy estimated (non-zero prediction)."""
-        for field, child in self._error_ratio.items():
+        observe = self.estimate_error_ratio.observe
+        for field, term in ESTIMATE_TERMS:
             guess: float = getattr(predicted, field)
             if guess != 0.0:
-                child.observe(getattr(realised, field) / guess)
+                observe(getattr(realised, field) / guess, (term,))
 
     # --- background updates -------------------------------------------------------------
 
@@ -276,12 +254,6 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         return bytes(generate_latest(self.registry))
-
-    def _inflight_child(self, worker_id: str) -> Gauge:
-        child = self._inflight.get(worker_id)
-        if child is None:
-            child = self._inflight[worker_id] = self.inflight.labels(worker_id)
-        return child
 
     def _worker_children(self, worker_id: str) -> tuple[Gauge, Gauge, Gauge, Gauge]:
         children = self._workers.get(worker_id)

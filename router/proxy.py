@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
 from policies.base import Policy
+from policies.calibration import queue_ahead
 from policies.types import (
     ClusterView,
     Decision,
@@ -80,7 +81,7 @@ class TurnPipeline:
     async def handle(self, request: Request, writer: StreamWriter, chat: bool) -> Response | None:
         """One turn; returns the reply, or None when it was streamed through `writer`."""
         admitted = self._clock.now()
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        request_id = request.headers.get("x-request-id") or os.urandom(16).hex()
         events = StageEvents(request_id=request_id, session_id="", admitted=admitted,
                              first_token_convention=self._config.first_token)  # fmt: skip
         ctx: TurnContext | None = None
@@ -132,9 +133,8 @@ class TurnPipeline:
         record = self._state.cached_session(session_id)
         if record is UNKNOWN:
             record = await self._state.load_session(session_id)
-        chars, exact = text_size(fields)
-        if self._tokenizer is not None:
-            exact = self._tokenizer.count(fields)
+        chars, id_count = text_size(fields)
+        exact = self._tokenizer.count(fields) if self._tokenizer is not None else id_count
         messages = len(fields.messages or ())
         prompt_tokens = self.tokens.estimate(chars, exact, messages)
         events.estimated_prompt_tokens = prompt_tokens
@@ -157,7 +157,8 @@ class TurnPipeline:
             headers["Authorization"] = authorization
         return TurnContext(writer=writer, chat=chat, raw=raw, fields=fields,
                            session_id=session_id, request_id=request_id, turn=turn,
-                           record=record, events=events, headers=headers)  # fmt: skip
+                           record=record, events=events, headers=headers,
+                           prompt_chars=chars if id_count is None else 0)  # fmt: skip
 
     def _check_api_key(self, request: Request) -> None:
         if self._config.api_key is None:
@@ -221,7 +222,7 @@ class TurnPipeline:
         decode_view = view.worker(events.decode_worker or "")
         prefill_view = view.worker(events.prefill_worker or events.decode_worker or "")
         events.worker_running_at_start = decode_view.running if decode_view else 0
-        events.worker_waiting_at_start = prefill_view.waiting if prefill_view else 0
+        events.worker_waiting_at_start = queue_ahead(prefill_view) if prefill_view else 0
         if action == "recompute" and ctx.record is not None:
             events.recomputed_tokens = ctx.record.tokens
         return decision
@@ -290,9 +291,9 @@ class TurnPipeline:
             events.prompt_tokens = usage.prompt_tokens
             events.cached_tokens = usage.cached_tokens
             events.completion_tokens = usage.completion_tokens
-            chars, exact = text_size(ctx.fields)
-            if exact is None:
-                self.tokens.observe(chars, len(ctx.fields.messages or ()), usage.prompt_tokens)
+            if ctx.prompt_chars:
+                messages = len(ctx.fields.messages or ())
+                self.tokens.observe(ctx.prompt_chars, messages, usage.prompt_tokens)
         expected = ctx.record.epoch if ctx.record is not None else 0
         if ctx.failed_midstream:
             if ctx.record is not None:

@@ -6,11 +6,12 @@ client: added p50/p99 latency, requests/s ratio, added streamed TTFT, and each p
 request and per relayed chunk. Needs `wrk` on PATH (Debian package wrk).
 
 Reference routers run in the same run, against the same backend, with `--reference
-NAME=COMMAND`, where COMMAND may use {port} and {backend}; e.g. the Rust routers from PyPI
+NAME=COMMAND`, where COMMAND may use {port}, {backend} and {aux_port} (a second free port);
+e.g. the Rust routers from PyPI
 (`pip install vllm-router sglang-router` into a separate venv):
 
     --reference "vllm-router=VENV/bin/vllm-router --port {port} --worker-urls {backend}
-                 --policy round_robin --log-level warning"
+                 --policy round_robin --log-level warning --prometheus-port {aux_port}"
 
 The requests/s ratio depends on what the backend costs per request: the 32-connection runs are
 CPU-bound on a small machine, so against a backend far cheaper than a real server any proxy
@@ -83,6 +84,12 @@ def _processes(commands: list[list[str]]) -> Iterator[list[subprocess.Popen[byte
                 proc.kill()
 
 
+def _after_healthy(backend: str, commands: list[list[str]]) -> list[list[str]]:
+    """`commands`, once the backend answers: some routers give up on a worker that is down."""
+    wait_healthy(backend, timeout_s=60)
+    return commands
+
+
 def _row(name: str, row: dict[str, float]) -> str:
     return f"{name:>22} {row['p50_us']:>8.0f} {row['p99_us']:>8.0f} {row['rps']:>9.0f}"
 
@@ -101,11 +108,15 @@ def _measure(args: argparse.Namespace, work_us: float, script: str) -> None:
         name, _, template = reference.partition("=")
         port = free_port()
         proxies[name] = f"http://127.0.0.1:{port}"
-        commands.append(shlex.split(template.format(port=port, backend=backend)))
-    with _processes(commands) as procs:
-        pids = {name: procs[1 + i].pid for i, name in enumerate(proxies)}
-        for url in (backend, *proxies.values()):
-            wait_healthy(url, timeout_s=60)
+        aux = free_port()  # e.g. a router's own metrics listener
+        commands.append(shlex.split(template.format(port=port, backend=backend, aux_port=aux)))
+    with _processes(commands[:1]) as _, _processes(_after_healthy(backend, commands[1:])) as procs:
+        pids = {name: procs[i].pid for i, name in enumerate(proxies)}
+        for name, url in proxies.items():
+            try:
+                wait_healthy(url, timeout_s=60)
+            except RuntimeError as exc:
+                raise SystemExit(f"{name} did not come up: {exc}") from exc
         for url in (backend, *proxies.values()):
             run_wrk(url + "/v1/completions", 4, 2, script)  # warm every path up
         print(f"\nbackend work {work_us:g} us/request")

@@ -15,6 +15,9 @@ import msgspec
 
 _T = TypeVar("_T")
 _MAX_HEAD_BYTES = 64 * 1024  # request line and headers; llhttp itself sets no limit
+# Raw header name -> its lowercased str: the same few names arrive on every request.
+_LOWER_NAMES: dict[bytes, str] = {}
+_LOWER_NAMES_MAX = 512  # a client sending ever-new names must not grow it without bound
 
 
 class Headers(Mapping[str, str]):
@@ -32,8 +35,13 @@ class Headers(Mapping[str, str]):
         """Build from the parser's (name, value) byte pairs; latin-1 keeps every byte."""
         headers = cls()
         known = headers._map
+        names = _LOWER_NAMES
         for name_bytes, value_bytes in raw:
-            name = name_bytes.decode("latin-1").lower()
+            name = names.get(name_bytes)
+            if name is None:
+                name = name_bytes.decode("latin-1").lower()
+                if len(names) < _LOWER_NAMES_MAX:
+                    names[name_bytes] = name
             value = value_bytes.decode("latin-1")
             previous = known.get(name)
             known[name] = value if previous is None else f"{previous}, {value}"
@@ -51,7 +59,10 @@ class Headers(Mapping[str, str]):
     @overload
     def get(self, name: str, default: _T, /) -> str | _T: ...
     def get(self, name: str, default: object = None, /) -> object:
-        return self._map.get(name.lower(), default)
+        value = self._map.get(name)  # callers mostly ask in lower case already
+        if value is None:
+            value = self._map.get(name.lower())
+        return default if value is None else value
 
     def __getitem__(self, name: str) -> str:
         return self._map[name.lower()]
