@@ -32,8 +32,10 @@ class _Family:
         self.labelnames = list(labelnames)
 
 
-class CounterCells(_Family):
-    """A counter family; `name` without `_total` (exported as `name_total`)."""
+class _ScalarCells(_Family):
+    """One number per label values, moved by deltas."""
+
+    _exported_as: type[CounterMetricFamily | GaugeMetricFamily]
 
     def __init__(
         self,
@@ -47,31 +49,29 @@ class CounterCells(_Family):
         if not self.labelnames:
             self.values[()] = 0.0
 
+    def collect(self) -> Metric:
+        family = self._exported_as(self.name, self.documentation, labels=self.labelnames)
+        for key, value in self.values.items():
+            family.add_metric(list(key), value)
+        return family
+
+
+class CounterCells(_ScalarCells):
+    """A counter family; `name` without `_total` (exported as `name_total`)."""
+
+    _exported_as = CounterMetricFamily
+
     def inc(self, key: LabelValues = (), amount: float = 1.0) -> None:
         self.values[key] = self.values.get(key, 0.0) + amount
 
-    def collect(self) -> Metric:
-        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
-        for key, value in self.values.items():
-            family.add_metric(list(key), value)
-        return family
 
-
-class GaugeCells(_Family):
+class GaugeCells(_ScalarCells):
     """A gauge family moved by deltas (e.g. requests in flight per worker)."""
 
-    def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = ()) -> None:
-        super().__init__(name, documentation, labelnames)
-        self.values: dict[LabelValues, float] = {}
+    _exported_as = GaugeMetricFamily
 
     def add(self, key: LabelValues, delta: float) -> None:
         self.values[key] = self.values.get(key, 0.0) + delta
-
-    def collect(self) -> Metric:
-        family = GaugeMetricFamily(self.name, self.documentation, labels=self.labelnames)
-        for key, value in self.values.items():
-            family.add_metric(list(key), value)
-        return family
 
 
 class HistogramCells(_Family):
