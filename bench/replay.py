@@ -33,6 +33,7 @@ import time
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import aiohttp
 import msgspec
@@ -92,6 +93,19 @@ class _Tally:
             self._progress.stop()
 
 
+# First-turn bodies built before the replay starts, at most this many bytes in all.
+PREBUILT_BODY_BYTES = 256 << 20
+
+
+class _Built(NamedTuple):
+    """One turn's request as sent: the conversation so far, and the encoded body."""
+
+    messages: list[Message]
+    prompt: str
+    prompt_tokens: int
+    body: bytes
+
+
 class _Replayer:
     def __init__(
         self, trace: Trace, session: aiohttp.ClientSession, target: str, api: Api,
@@ -114,7 +128,44 @@ class _Replayer:
         self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # sessions in the order their first turns arrive
         self.order = [s.conversation for s in trace.iter_turns() if s.turn_index == 0]
+        self._first_turns = self._prebuild_first_turns(PREBUILT_BODY_BYTES)
         self.t0 = time.perf_counter()
+
+    def _prebuild_first_turns(self, budget_bytes: int) -> dict[str, _Built]:
+        """First turns' bodies, built before the clock starts (up to `budget_bytes`).
+
+        Synthesising a long prompt takes milliseconds of this loop: done at the turn's
+        arrival, it would delay the chunk timestamps of every stream in flight.
+        """
+        built: dict[str, _Built] = {}
+        total = 0
+        for conversation in self.order:
+            if total >= budget_bytes:
+                break
+            turn = built[conversation.session_id] = self._build(conversation, 0, [], "", "")
+            total += len(turn.body)
+        return built
+
+    def _build(
+        self, conversation: Conversation, index: int, messages: list[Message], prompt: str,
+        answer: str,
+    ) -> _Built:  # fmt: skip
+        turn = conversation.turns[index]
+        payload: dict[str, object] = {
+            "max_tokens": max(1, turn.output_tokens), "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": True,
+        }  # fmt: skip
+        if self.model is not None:
+            payload["model"] = self.model
+        if self.api == "chat":
+            messages = self.synth.messages_for(conversation, index, messages, answer)
+            payload["messages"] = messages
+            prompt_tokens = chat_prompt_tokens(messages)
+        else:
+            prompt = self.synth.prompt_for_completion(conversation, index, prompt, answer)
+            payload["prompt"] = prompt
+            prompt_tokens = count_words(prompt)
+        return _Built(messages, prompt, prompt_tokens, _encode(payload))
 
     async def run_open_loop(self) -> None:
         tasks: set[asyncio.Task[None]] = set()
@@ -160,21 +211,11 @@ class _Replayer:
             if index:
                 due = finished + turn.think_s
                 await _sleep_until(due if closed else max(due, self.t0 + turn.arrival_s))
-            payload: dict[str, object] = {
-                "max_tokens": max(1, turn.output_tokens), "stream": True,
-                "stream_options": {"include_usage": True}, "ignore_eos": True,
-            }  # fmt: skip
-            if self.model is not None:
-                payload["model"] = self.model
-            if self.api == "chat":
-                messages = self.synth.messages_for(conversation, index, messages, answer)
-                payload["messages"] = messages
-                prompt_tokens = chat_prompt_tokens(messages)
-            else:
-                prompt = self.synth.prompt_for_completion(conversation, index, prompt, answer)
-                payload["prompt"] = prompt
-                prompt_tokens = count_words(prompt)
-            outcome = await self.send(conversation, index, prompt_tokens, _encode(payload),
+            built = self._first_turns.pop(conversation.session_id, None) if index == 0 else None
+            if built is None:
+                built = self._build(conversation, index, messages, prompt, answer)
+            messages, prompt = built.messages, built.prompt
+            outcome = await self.send(conversation, index, built.prompt_tokens, built.body,
                                       keep_text=index < last)  # fmt: skip
             finished = outcome.done_at or time.perf_counter()
             if index < last:
