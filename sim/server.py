@@ -12,11 +12,10 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from sim.engine import Engine, EngineConfig, EngineRequest, StepOutput
 from sim.kv_pull import KvPuller, PullResult
-from sim.metrics import WorkerMetrics
+from sim.metrics import CONTENT_TYPE, WorkerMetrics
 from sim.protocol import (
     DONE,
     Kind,
@@ -314,8 +313,7 @@ class SimWorker:
         return web.Response(status=200)
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        body = generate_latest(self.metrics.registry)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def _schedule_lag(self, request: web.Request) -> web.Response:
         """How late steps were applied behind the engine's schedule (for the lag benchmark)."""
