@@ -48,39 +48,47 @@ local function ledger(leases, resv, now)
 end
 """
 
-# KEYS: session hash. ARGV: expected epoch, epoch increment, turns increment, owner ('' clears
-# the residency), tokens, bytes, ttl ms, channel, replica, session id, write id.
-# Reply: ok, owner, tokens, bytes, turns, epoch, last_seen (the stored record after the call).
-SESSION_CAS = """
-local key = KEYS[1]
-local cur = redis.call('HMGET', key, 'owner', 'tokens', 'bytes', 'turns', 'epoch', 'last_seen',
-                       'write_id')
-local epoch = tonumber(cur[5]) or 0
-local expected = tonumber(ARGV[1])
-local owner = cur[1] or ''
-if epoch ~= expected and not (expected == 0 and owner == '') then
-  -- a retried write that an earlier, unacknowledged attempt already applied
-  local ok = 0
-  if cur[7] == ARGV[11] then ok = 1 end
-  return {ok, owner, cur[2] or '0', cur[3] or '0', cur[4] or '0', epoch, cur[6] or '0'}
-end
-if ARGV[4] == '' and not cur[5] then
-  return {1, '', '0', '0', '0', 0, '0'}
-end
+# Every session write of a batch in one call (the per-command cost of a client library is
+# paid once per batch, not once per turn). ARGV: session key prefix, ttl ms, channel, replica,
+# then a msgpack array of writes, each [session id, expected epoch, epoch increment, turns
+# increment, owner ('' clears the residency), tokens, bytes, write id]. Reply: a msgpack array
+# of [ok, owner, tokens, bytes, turns, epoch, last_seen], the stored record after each write.
+SESSION_CAS_BATCH = """
+local prefix, ttl, channel, replica = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local writes = cmsgpack.unpack(ARGV[5])
 local t = redis.call('TIME')
 local now = t[1] .. '.' .. string.format('%06d', tonumber(t[2]))
-local new_epoch = epoch + tonumber(ARGV[2])
-local turns = (tonumber(cur[4]) or 0) + tonumber(ARGV[3])
-local tokens, nbytes = ARGV[5], ARGV[6]
-if ARGV[4] == '' then tokens = '0'; nbytes = '0' end
-redis.call('HSET', key, 'owner', ARGV[4], 'tokens', tokens, 'bytes', nbytes, 'turns', turns,
-           'epoch', new_epoch, 'last_seen', now, 'write_id', ARGV[11])
-redis.call('PEXPIRE', key, ARGV[7])
-redis.call('PUBLISH', ARGV[8], cmsgpack.pack({
-  session_id = ARGV[10], epoch = new_epoch, owner = ARGV[4], replica = ARGV[9],
-  tokens = tonumber(tokens), bytes = tonumber(nbytes), turns = turns,
-  last_seen = tonumber(now)}))
-return {1, ARGV[4], tokens, nbytes, turns, new_epoch, now}
+local out = {}
+for i = 1, #writes do
+  local w = writes[i]
+  local sid, expected, owner_new, tokens, nbytes, write_id = w[1], w[2], w[5], w[6], w[7], w[8]
+  local key = prefix .. sid
+  local cur = redis.call('HMGET', key, 'owner', 'tokens', 'bytes', 'turns', 'epoch', 'last_seen',
+                         'write_id')
+  local epoch = tonumber(cur[5]) or 0
+  local owner = cur[1] or ''
+  if epoch ~= expected and not (expected == 0 and owner == '') then
+    -- a retried write that an earlier, unacknowledged attempt already applied
+    local ok = 0
+    if cur[7] == write_id then ok = 1 end
+    out[i] = {ok, owner, tonumber(cur[2]) or 0, tonumber(cur[3]) or 0, tonumber(cur[4]) or 0,
+              epoch, cur[6] or '0'}
+  elseif owner_new == '' and not cur[5] then
+    out[i] = {1, '', 0, 0, 0, 0, '0'}
+  else
+    local new_epoch = epoch + w[3]
+    local turns = (tonumber(cur[4]) or 0) + w[4]
+    if owner_new == '' then tokens = 0; nbytes = 0 end
+    redis.call('HSET', key, 'owner', owner_new, 'tokens', tokens, 'bytes', nbytes, 'turns',
+               turns, 'epoch', new_epoch, 'last_seen', now, 'write_id', write_id)
+    redis.call('PEXPIRE', key, ttl)
+    redis.call('PUBLISH', channel, cmsgpack.pack({
+      session_id = sid, epoch = new_epoch, owner = owner_new, replica = replica,
+      tokens = tokens, bytes = nbytes, turns = turns, last_seen = tonumber(now)}))
+    out[i] = {1, owner_new, tokens, nbytes, turns, new_epoch, now}
+  end
+end
+return cmsgpack.pack(out)
 """
 
 # KEYS: worker hash, workers index. ARGV: worker id, record blob, scraped_at, ttl ms.
@@ -217,7 +225,7 @@ return {now, workers, inflight, links}
 """
 
 _SOURCES = {
-    "session_cas": SESSION_CAS,
+    "session_cas_batch": SESSION_CAS_BATCH,
     "worker_put": WORKER_PUT,
     "link_capacity": LINK_CAPACITY,
     "link_reserve": LINK_RESERVE,
@@ -233,7 +241,7 @@ class Scripts:
         self.sources = {name: _PRELUDE + body for name, body in _SOURCES.items()}
         sha = {name: hashlib.sha1(src.encode()).hexdigest() for name, src in self.sources.items()}
         self.shas = list(sha.values())
-        self.session_cas = sha["session_cas"]
+        self.session_cas_batch = sha["session_cas_batch"]
         self.worker_put = sha["worker_put"]
         self.link_capacity = sha["link_capacity"]
         self.link_reserve = sha["link_reserve"]

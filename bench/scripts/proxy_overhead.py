@@ -40,10 +40,15 @@ import aiohttp
 from bench.scripts.loadgen import cpu_seconds, free_port, run_wrk, wait_healthy
 
 _BODY = '{"model":"fast","prompt":"hello world","max_tokens":16}'
-_WRK_SCRIPT = f"""wrk.method = "POST"
-wrk.body = '{_BODY}'
+_WRK_SCRIPT = """wrk.method = "POST"
+wrk.body = '%s'
 wrk.headers["Content-Type"] = "application/json"
-wrk.headers["X-Session-ID"] = "bench-session"
+sent = 0
+request = function()
+  sent = sent + 1
+  wrk.headers["X-Session-ID"] = "bench-" .. (sent %% %d)
+  return wrk.format()
+end
 """
 
 
@@ -155,6 +160,8 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--streams", type=int, default=300)
     parser.add_argument("--chunks", type=int, default=16)
+    parser.add_argument("--sessions", type=int, default=1,
+                        help="session ids cycled through (1: every commit coalesces)")  # fmt: skip
     parser.add_argument("--work-us", default="0", help="comma-separated backend CPU per request")
     parser.add_argument("--reference", action="append", default=[], metavar="NAME=COMMAND",
                         help="another router to measure in the same run")  # fmt: skip
@@ -163,7 +170,7 @@ def main() -> None:
         if "=" not in reference:
             parser.error(f"--reference wants NAME=COMMAND, got {reference!r}")
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
-        script.write(_WRK_SCRIPT)
+        script.write(_WRK_SCRIPT % (_BODY, args.sessions))
     for work in args.work_us.split(","):
         _measure(args, float(work), script.name)
 

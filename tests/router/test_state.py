@@ -224,6 +224,28 @@ async def test_commits_share_pipelined_batches(redis_url: str, prefix: str) -> N
         assert kinds["batch"] - before <= 50
 
 
+async def test_one_batch_over_several_script_calls_keeps_each_verdict(
+    redis_url: str, prefix: str
+) -> None:
+    async with (
+        running(redis_url, prefix, "a", batch_interval_s=0.2) as a,
+        running(redis_url, prefix, "b") as b,
+    ):
+        assert (await b.commit_session("taken", "wb", 5, 50, 0)).ok
+        commits = [a.commit_session(f"s{i}", f"w{i % 3}", i, i * 7, 0) for i in range(600)]
+        stale = a.commit_session("taken", "wa", 1, 10, expected_epoch=7)  # b holds epoch 1
+        results = await asyncio.gather(*commits)
+        assert all(r.ok for r in results)
+        assert [(r.record.worker_id, r.record.bytes) for r in results if r.record] == [
+            (f"w{i % 3}", i * 7) for i in range(600)
+        ]
+        lost = await stale
+        assert not lost.ok and lost.record is not None and lost.record.worker_id == "wb"
+        for i in (0, 255, 256, 599):
+            record = await b.load_session(f"s{i}")
+            assert record is not None and (record.tokens, record.epoch) == (i, 1)
+
+
 async def test_a_later_write_on_the_same_epoch_replaces_a_pending_one(
     redis_url: str, prefix: str
 ) -> None:
