@@ -1,9 +1,9 @@
 """Drive the clock-free engine and link fabric in real time on an asyncio loop.
 
 The engine never sleeps: it plans a step and says how long it takes. This module waits for that
-time and applies the step. Steps run on a schedule clock that advances by the modelled step
-durations, so the event loop's wake-up lag (about a millisecond with epoll timeouts) delays when
-tokens are delivered but never accumulates into the schedule; only a lag beyond
+time (on `sim.precise_timer`, not the loop's millisecond timers) and applies the step. Steps
+run on a schedule clock that advances by the modelled step durations, so a late wake-up delays
+when tokens are delivered but never accumulates into the schedule; only a lag beyond
 `max_schedule_slip_s` (an overloaded process) resyncs the schedule to real time.
 """
 
@@ -16,6 +16,7 @@ from typing import Final
 
 from sim.engine import Engine, StepOutput
 from sim.links import Fabric
+from sim.precise_timer import PreciseTimer
 
 _IDLE_POLL_S: Final = 1.0
 
@@ -98,7 +99,7 @@ class EngineRunner:
                 await self._idle(loop)
                 continue
             target = schedule + duration
-            await _sleep_until(loop, target)
+            await _timer().sleep_until(target)
             self.lag.add(time.monotonic() - target)
             schedule = target
             self._clock.hold(schedule)
@@ -124,21 +125,15 @@ class EngineRunner:
             pass
 
 
-async def _sleep_until(loop: asyncio.AbstractEventLoop, target: float) -> None:
-    # loop.time() and time.monotonic() are the same clock on Linux and macOS.
-    delay = target - loop.time()
-    if delay > 0:
-        future: asyncio.Future[None] = loop.create_future()
-        handle = loop.call_at(target, _resolve, future)
-        try:
-            await future
-        finally:
-            handle.cancel()
+_shared_timer: PreciseTimer | None = None
 
 
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
+def _timer() -> PreciseTimer:
+    """The process's one precise timer thread, started on first use."""
+    global _shared_timer
+    if _shared_timer is None:
+        _shared_timer = PreciseTimer()
+    return _shared_timer
 
 
 class FabricRunner:
