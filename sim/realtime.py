@@ -10,6 +10,7 @@ when tokens are delivered but never accumulates into the schedule; only a lag be
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable
 from typing import Final
@@ -125,15 +126,16 @@ class EngineRunner:
             pass
 
 
-_shared_timer: PreciseTimer | None = None
+_shared_timer: tuple[int, PreciseTimer] | None = None
 
 
 def _timer() -> PreciseTimer:
-    """The process's one precise timer thread, started on first use."""
+    """The process's one precise timer thread, started on first use (again in a forked child,
+    which inherits the object but not the thread)."""
     global _shared_timer
-    if _shared_timer is None:
-        _shared_timer = PreciseTimer()
-    return _shared_timer
+    if _shared_timer is None or _shared_timer[0] != os.getpid():
+        _shared_timer = (os.getpid(), PreciseTimer())
+    return _shared_timer[1]
 
 
 class FabricRunner:
