@@ -1,30 +1,38 @@
 """`adaptive`: place each turn where I > H + dQ + dC says it costs goodput least.
 
 For every turn the policy enumerates the feasible placements (policies.adaptive_scoring has the
-formulas): the whole turn on the resident worker (colocate) or on other decode/mixed workers
-(recompute, or colocate for a new session): the `shortlist` least loaded and the `shortlist`
-whose recent slow steps least expose an answer decoded there, all with KV usage below
-`migrate_kv_usage` when any is; a handoff from one of the `shortlist` least-loaded
-prefill/mixed workers to the resident worker or to one of those; and, when the resident worker
-is overloaded (`migrate_queue_threshold` requests waiting or KV usage at least
+formulas): the whole turn on the resident worker (colocate) or on any other decode/mixed worker
+(recompute, or colocate for a new session), all with KV usage below `migrate_kv_usage` when
+any is; a handoff from one of the `shortlist` least-loaded prefill/mixed workers, the
+`shortlist` whose recent slow steps already expose what decodes there, or the worker that
+prefilled the session's last split turn (its prefix cache still holds that prompt), to the
+resident worker or to one of the decode shortlist: the `shortlist` least loaded and the
+`shortlist` whose recent slow steps least expose an answer decoded there; and, when the
+resident worker is overloaded (`migrate_queue_threshold` requests waiting or KV usage at least
 `migrate_kv_usage`) or cannot serve the turn itself, a migration of its state to one of those
 (run as the router runs it: a handoff from the resident, whose cache holds the context). A
 session without residency never migrates.
 
 Terms are in expected objective misses: the ITL budgets a prefill's slow steps spend of the
-streams running beside it (harm), the slow steps the answer will meet where it decodes
-(exposure, from the `StallLedger` of recent placements, `stall_window_s`), and the risk to
-the turn's own TTFT objective; where nothing is at risk, the faster placement that takes less
-GPU time wins. Choice: the candidate that meets the turn's TTFT objective at the least cost
-(which is I > H + dQ + dC against the colocated reference); then the lower cost among those
-that miss it; ties go to colocate, handoff, migrate, recompute in that order, then to the lower
-worker ids, so the decision depends only on the view, the estimates and the ledger, never on
-the order of the workers. When the best candidate misses the objective the turn is rejected
-with `retry_after_s`, or served anyway with `on_infeasible=serve`.
+streams running beside it (harm; behind the prefill work this policy placed on that worker
+and not yet done, `WorkLedger`, it shares slow batched steps), the slow steps the answer will
+meet where it decodes (exposure, from the `StallLedger` of recent placements,
+`stall_window_s`) and the KV cache it would fill there, and the risk to the turn's own TTFT
+objective (its queue: the larger of the learned wait behind the queue depth and the placed
+work ahead); where nothing is at risk, the faster placement that takes less GPU time wins.
+Choice: the candidate that meets the turn's TTFT objective at the least cost (which is
+I > H + dQ + dC against the colocated reference; a placement off the resident worker must win
+by `SEPARATION_MARGIN`); then the lower cost among those that miss it; ties go to colocate,
+handoff, migrate, recompute in that order, then to the lower worker ids, so the decision
+depends only on the view, the estimates and the ledgers, never on the order of the workers.
+When the best candidate misses the objective the turn is rejected with `retry_after_s`, or
+served anyway with `on_infeasible=serve`.
 
-`decide` records the placement in the ledger under the request id (deciding the same turn
-again replaces it, so it returns the same decision); `observe` calibrates the estimates and
-learns the prefix fresh sessions find cached anywhere (`Estimates.shared_prefix_tokens`).
+`decide` records the placement in the ledgers under the request id (deciding the same turn
+again replaces it, so it returns the same decision); `observe` calibrates the estimates, told
+what the placed prefill leg was assumed to find (a split turn's outcome counts the decode
+leg's cache hit), takes the finished turn's work off the `WorkLedger`, and learns the prefix
+fresh sessions find cached anywhere (`Estimates.shared_prefix_tokens`).
 
 The reference is the colocate on the resident worker, or else the best whole-turn candidate.
 `predicted` is relative to it, in ms: interference_ms = the stall ms past the streams' slack
@@ -37,15 +45,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Literal
 
-import msgspec
-
-from policies.adaptive_scoring import TTFT_WEIGHT, Candidate, Scorer, StallLedger
-from policies.estimates import Estimates
-from policies.hardware import gpu_preset, model_preset
+from policies.adaptive_ledgers import StallLedger, WorkLedger
+from policies.adaptive_params import AdaptiveParams as AdaptiveParams
+from policies.adaptive_scoring import TTFT_WEIGHT, Candidate, Scorer
+from policies.estimates import Estimates, PrefillLeg
 from policies.load import DECODE_ROLES, PREFILL_ROLES, can_serve, load_score, reject_no_worker
-from policies.params import PolicyConfigError
 from policies.types import (
     Action,
     ClusterView,
@@ -63,70 +68,9 @@ from policies.types import (
 )
 
 MAX_FRESH = 65536
+# Expected misses a placement must save against colocating on the resident worker.
+SEPARATION_MARGIN = 0.05
 _TIE_ORDER: dict[Action, int] = {"colocate": 0, "handoff": 1, "migrate": 2, "recompute": 3}
-
-
-class AdaptiveParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """`adaptive`: priors, admission and the few knobs of the I > H + dQ + dC placement."""
-
-    on_infeasible: Literal["reject", "serve"] = "reject"
-    gpu: str = "h200-sxm"
-    model: str = "llama-3.1-8b"
-    tp: int = 1
-    chunked_prefill: int | None = None
-    retry_after_s: float = 1.0
-    migrate_queue_threshold: int = 4
-    migrate_kv_usage: float = 0.9
-    link_horizon_s: float = 1.0
-    default_link_bps: float = 12.5e9
-    shortlist: int = 3
-    learning_rate: float = 0.1
-    stall_window_s: float = 5.0
-
-    def __post_init__(self) -> None:
-        gpu_preset(self.gpu)
-        model_preset(self.model)
-        _require(self.tp >= 1, "tp", self.tp, ">= 1")
-        if self.chunked_prefill is not None:
-            _require(self.chunked_prefill >= 1, "chunked_prefill", self.chunked_prefill, ">= 1")
-        _require(
-            math.isfinite(self.retry_after_s) and self.retry_after_s >= 0,
-            "retry_after_s",
-            self.retry_after_s,
-            "a finite number >= 0",
-        )
-        _require(
-            self.migrate_queue_threshold >= 1,
-            "migrate_queue_threshold",
-            self.migrate_queue_threshold,
-            ">= 1",
-        )
-        _require(
-            0.0 < self.migrate_kv_usage <= 1.0,
-            "migrate_kv_usage",
-            self.migrate_kv_usage,
-            "in (0, 1]",
-        )
-        _require(
-            0.0 < self.link_horizon_s < math.inf,
-            "link_horizon_s",
-            self.link_horizon_s,
-            "a finite number > 0",
-        )
-        _require(
-            0.0 < self.default_link_bps < math.inf,
-            "default_link_bps",
-            self.default_link_bps,
-            "a finite number > 0",
-        )
-        _require(self.shortlist >= 1, "shortlist", self.shortlist, ">= 1")
-        _require(0.0 < self.learning_rate <= 1.0, "learning_rate", self.learning_rate, "in (0, 1]")
-        _require(
-            0.0 < self.stall_window_s < math.inf,
-            "stall_window_s",
-            self.stall_window_s,
-            "a finite number > 0",
-        )
 
 
 class AdaptivePolicy:
@@ -145,11 +89,22 @@ class AdaptivePolicy:
         self._indexed_links: tuple[LinkView, ...] = ()
         self._link_index: dict[tuple[str, str], LinkView] = {}
         self._stalls = StallLedger(p.stall_window_s)
+        self._work = WorkLedger()
+        self._now_s = -math.inf  # the latest view's time
         # Fresh sessions' first turns placed whole: what they find cached is shared.
         self._fresh: dict[str, None] = {}
+        # What each placed turn's prefill leg was assumed to find (outcomes count a split
+        # turn's cache hit at its decode leg).
+        self._legs: dict[str, tuple[Action, PrefillLeg]] = {}
+        # Per session, the worker that prefilled its last split turn and that prompt's size:
+        # its prefix cache still holds it (the residency names only the decode worker).
+        # Keyed by request too, so deciding a turn again sees what it saw the first time.
+        self._prefixes: dict[str, tuple[_Prefix, ...]] = {}
 
     def decide(self, turn: Turn, view: ClusterView) -> Decision:
         p = self.params
+        if view.now_s > self._now_s:
+            self._now_s = view.now_s
         decode_pool: list[WorkerView] = []
         prefill_pool: list[WorkerView] = []
         for worker in view.workers:
@@ -167,6 +122,7 @@ class AdaptivePolicy:
         if links is not self._indexed_links:
             self._link_index = {(link.src, link.dst): link for link in links}
             self._indexed_links = links
+        prefix = _prefix_of(self._prefixes, turn)
         scorer = Scorer(
             turn,
             view,
@@ -175,6 +131,8 @@ class AdaptivePolicy:
             horizon_s=p.link_horizon_s,
             default_bps=p.default_link_bps,
             stalls=self._stalls,
+            prefix=prefix,
+            work=self._work,
         )
         key = _rank_key(turn)
         # A new answer goes where its KV fits: a full cache preempts the streams running there.
@@ -183,7 +141,8 @@ class AdaptivePolicy:
             roomy = [w for w in decode_pool if w is not resident]
         others = _decode_shortlist(roomy, p.shortlist, scorer)
         decode_targets = [resident, *others] if resident is not None else others
-        whole = [scorer.whole(worker) for worker in decode_targets]
+        # A whole turn can go to any of them (one candidate each); splits to the shortlist.
+        whole = [scorer.whole(worker) for worker in (resident, *roomy) if worker is not None]
         # Colocating where the state lives is what any separation must beat.
         reference = whole[0] if resident is not None else min(whole, key=key)
         candidates = whole
@@ -199,12 +158,14 @@ class AdaptivePolicy:
             for destination in others:
                 if destination.kv_usage < p.migrate_kv_usage:
                     candidates.append(scorer.handoff(source, destination, "migrate"))
-        for prefill in _least_loaded(prefill_pool, p.shortlist):
+        for prefill in _prefill_shortlist(prefill_pool, p.shortlist, prefix, scorer):
             if prefill is mover:
                 continue
             for decode in decode_targets:
                 if decode is not prefill:
                     candidates.append(scorer.handoff(prefill, decode))
+        if resident is not None:
+            key = _rank_key(turn, reference)
         best = min(candidates, key=key)
         predicted = _prediction(best, reference)
         objective = turn.objectives.ttft_ms
@@ -213,7 +174,19 @@ class AdaptivePolicy:
         self._stalls.place(
             turn.request_id, None if rejected else best.workers[0], view.now_s, best.slow_steps
         )
+        # Its prefill keeps that worker busy: the turns placed there next wait behind it.
+        self._work.place(
+            turn.request_id, None if rejected else best.workers[0], view.now_s, best.work_ms
+        )
         self._fresh.pop(turn.request_id, None)
+        self._legs.pop(turn.request_id, None)
+        if not rejected:
+            if best.action in ("handoff", "migrate"):
+                _remember(self._prefixes, turn, best.workers[0])
+            self._legs[turn.request_id] = (best.action, best.leg)
+            if len(self._legs) > MAX_FRESH:
+                for stale in list(self._legs)[: MAX_FRESH // 4]:
+                    del self._legs[stale]
         if residency is None and not rejected and best.action == "colocate":
             self._fresh[turn.request_id] = None
             if len(self._fresh) > MAX_FRESH:
@@ -229,20 +202,29 @@ class AdaptivePolicy:
         return _decision(best, predicted, _reason(best, reference, candidates, key, objective))
 
     def observe(self, outcome: Outcome) -> None:
-        self.estimates.observe(outcome)
+        placed = self._legs.pop(outcome.request_id, None)
+        leg = placed[1] if placed is not None and placed[0] == outcome.action else None
+        self.estimates.observe(outcome, leg)
         self._stalls.forget(outcome.request_id)
+        self._work.finish(outcome.request_id, self._now_s)
         if outcome.request_id in self._fresh:
             del self._fresh[outcome.request_id]
             self.estimates.observe_fresh(outcome)
 
 
-def _rank_key(turn: Turn) -> Callable[[Candidate], tuple[bool, float, int, tuple[str, ...]]]:
+def _rank_key(
+    turn: Turn, reference: Candidate | None = None
+) -> Callable[[Candidate], tuple[bool, float, int, tuple[str, ...]]]:
+    """Meets the TTFT objective first, then the lower cost; a candidate other than the
+    colocated `reference` must win by `SEPARATION_MARGIN` (what the model leaves out: a turn
+    moved off its resident worker moves load and cache with it, its gain is an estimate)."""
     objective = turn.objectives.ttft_ms
 
     def key(candidate: Candidate) -> tuple[bool, float, int, tuple[str, ...]]:
+        margin = 0.0 if reference is None or candidate is reference else SEPARATION_MARGIN
         return (
             candidate.ttft_ms > objective,
-            candidate.cost,
+            candidate.cost + margin,
             _TIE_ORDER[candidate.action],
             candidate.workers,
         )
@@ -258,6 +240,40 @@ def _decode_shortlist(workers: list[WorkerView], count: int, scorer: Scorer) -> 
     chosen = sorted(workers, key=_load_key)[:count]
     calm = sorted(workers, key=lambda w: (scorer.exposure(w), *_load_key(w)))[:count]
     return chosen + [w for w in calm if all(w is not c for c in chosen)]
+
+
+def _prefill_shortlist(
+    workers: list[WorkerView], count: int, prefix: tuple[str, int] | None, scorer: Scorer
+) -> list[WorkerView]:
+    """The `count` least-loaded prefill workers, the `count` whose recent slow steps already
+    expose what decodes there (another prefill costs the answers decoding elsewhere nothing),
+    and the one holding the session's prefix."""
+    chosen = _least_loaded(workers, count)
+    if len(workers) > count:
+        busy = sorted(workers, key=lambda w: (-scorer.stall_rate(w), *_load_key(w)))[:count]
+        chosen += [w for w in busy if all(w is not c for c in chosen)]
+    if prefix is not None and all(w.worker_id != prefix[0] for w in chosen):
+        chosen = chosen + [w for w in workers if w.worker_id == prefix[0]]
+    return chosen
+
+
+_Prefix = tuple[str, str, int]  # request, prefill worker, prompt tokens
+
+
+def _prefix_of(table: dict[str, tuple[_Prefix, ...]], turn: Turn) -> tuple[str, int] | None:
+    """Where the session's last split turn before this one was prefilled, and its prompt."""
+    for request, worker, tokens in reversed(table.get(turn.session_id, ())):
+        if request != turn.request_id:
+            return worker, tokens
+    return None
+
+
+def _remember(table: dict[str, tuple[_Prefix, ...]], turn: Turn, worker: str) -> None:
+    kept = [e for e in table.pop(turn.session_id, ()) if e[0] != turn.request_id]
+    table[turn.session_id] = (*kept[-1:], (turn.request_id, worker, turn.prompt_tokens))
+    if len(table) > MAX_FRESH:
+        for stale in list(table)[: MAX_FRESH // 4]:
+            del table[stale]
 
 
 def _least_loaded(workers: list[WorkerView], count: int) -> list[WorkerView]:
@@ -358,8 +374,3 @@ def _decision(candidate: Candidate, predicted: Prediction, reason: str) -> Decis
                 source=first, destination=candidate.workers[1], predicted=predicted, reason=reason
             )
     raise AssertionError(f"no decision for action {candidate.action!r}")
-
-
-def _require(ok: bool, name: str, value: object, wanted: str) -> None:
-    if not ok:
-        raise PolicyConfigError(f"{name} must be {wanted}, got {value!r}")

@@ -9,19 +9,25 @@ Notation, for a turn of P prompt tokens of which U are not cached on the residen
 learned by policies.estimates), answering G tokens; B(g) = max(1, (g - 1) / 100), the gaps of
 a g-token answer that may exceed the ITL objective while the p99 of its gaps meets it:
 
-- queue(w) = estimates.queue_wait_ms(waiting + max(0, inflight - running - waiting)): the
-  requests queued at w, plus fleet-wide in-flight ones its last scrape has not counted yet.
+- queue(w) = max(estimates.queue_wait_ms(q), A): q = waiting + max(0, inflight - running -
+  waiting), the requests queued at w plus the in-flight ones its last scrape has not counted;
+  A = the prefill work this policy placed on w and not yet done (`WorkLedger`, in the compute
+  roof's ms: batched steps pay overhead and weights once).
 - a local prefill of n new tokens after c cached on worker w with R running decode streams
   (none on a "prefill" worker), in k chunks; step = a decode step of the R streams alone,
   fused = the prefill's k steps fused with theirs (see policies.estimates):
       compute = prefill(n, c) on w alone,  own wait = fused - compute,
-      harm ms = R x k x max(0, fused / k - max(step, itl))   (stall past their slack),
-      harm    = R x k_slow / B(mean answer length observed), k_slow = k when fused / k > itl:
+      harm ms = R x k x max(0, (fused + A) / k - max(step, itl))   (stall past their slack),
+      harm    = R x s / B(mean answer length observed), s = k when fused / k > itl, else
+                fused / itl when the steps it joins behind A are slow, else 0:
   each slow step spends one gap of every stream's budget. This turn's objectives stand in
-  for the streams' (the view has no other).
+  for the streams' (the view has no other). C is the prefix the worker holds: the resident's
+  cached tokens, the prompt of the session's last split turn on the worker that prefilled it,
+  else S.
 - exposure: the turn decodes on d for G - 1 gaps of a step at R + 1 streams, while d runs
-  slow steps at the rate its recent placements set (`StallLedger`):
-      exposure = rate(d) x (G - 1) x step / B(G).
+  slow steps at the rate its recent placements set (`StallLedger`), and adds the KV it lacks
+  there (`kv_crowding`: misses as the cache nears full):
+      exposure = rate(d) x (G - 1) x step / B(G) + crowding(d).
 - TTFT risk: 0 up to `RISK_FROM` x the objective, rising linearly to 1 at the objective.
 - H(src, dst, bytes) = latency + bytes / available, available = max(1% of rate,
   rate - (bytes in flight + reserved bytes) / horizon); rate = the link's capacity (else its
@@ -48,78 +54,17 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from policies.estimates import Estimates
+from policies.adaptive_ledgers import StallLedger as StallLedger
+from policies.adaptive_ledgers import WorkLedger, kv_crowding
+from policies.adaptive_ledgers import slow_gap_budget as slow_gap_budget
+from policies.calibration import queue_ahead
+from policies.estimates import Estimates, PrefillLeg
 from policies.types import Action, ClusterView, LinkView, Turn, WorkerView
 
 LINK_FLOOR_FRACTION = 0.01
 RISK_FROM = 0.5
 TTFT_WEIGHT = 0.05
 WORK_WEIGHT = 16.0
-# The ITL objective is on the p99 of a stream's gaps: 1% of them may be slow.
-SLOW_GAP_SHARE = 0.01
-MAX_TRACKED_WORKERS = 4096
-MAX_TRACKED_REQUESTS = 65536
-
-
-def slow_gap_budget(tokens: float) -> float:
-    """B(g): how many gaps of a `tokens`-token answer may exceed the ITL objective."""
-    return max(1.0, (tokens - 1.0) * SLOW_GAP_SHARE)
-
-
-class StallLedger:
-    """The prefill steps longer than the ITL objective this policy has placed, per worker,
-    as a count decaying with time constant `window_s` (their rate per second).
-
-    Keyed by request: placing a request again replaces its entry, so a decision repeated for
-    the same turn and view is the same decision; `rate` leaves the asking request out."""
-
-    __slots__ = ("_counts", "_entries", "window_s")
-
-    def __init__(self, window_s: float) -> None:
-        self.window_s = window_s
-        self._counts: dict[str, tuple[float, float]] = {}  # worker -> (count, as of time)
-        self._entries: dict[str, tuple[str, float, int]] = {}  # request -> (worker, at, steps)
-
-    def place(self, request_id: str, worker: str | None, at_s: float, steps: int) -> None:
-        """Record `request_id`'s prefill on `worker` (None or 0 steps: no slow step)."""
-        old = self._entries.pop(request_id, None)
-        if old is not None:
-            self._add(old[0], old[1], -old[2])
-        if worker is None or steps <= 0:
-            return
-        self._add(worker, at_s, steps)
-        self._entries[request_id] = (worker, at_s, steps)
-        if len(self._entries) > MAX_TRACKED_REQUESTS:
-            # The oldest entries' contributions have decayed away; forget their keys.
-            for key in list(self._entries)[: MAX_TRACKED_REQUESTS // 4]:
-                del self._entries[key]
-
-    def forget(self, request_id: str) -> None:
-        """Stop tracking the request (its steps stay counted)."""
-        self._entries.pop(request_id, None)
-
-    def rate(self, worker: str, now_s: float, exclude: str = "") -> float:
-        entry = self._counts.get(worker)
-        if entry is None:
-            return 0.0
-        count, as_of = entry
-        own = self._entries.get(exclude)
-        if own is not None and own[0] == worker:
-            count -= own[2] * math.exp((own[1] - as_of) / self.window_s)
-        if count <= 0.0:
-            return 0.0
-        age = now_s - as_of if now_s > as_of else 0.0
-        return count * math.exp(-age / self.window_s) / self.window_s
-
-    def _add(self, worker: str, at_s: float, steps: int) -> None:
-        count, as_of = self._counts.get(worker, (0.0, at_s))
-        if at_s >= as_of:
-            count = count * math.exp((as_of - at_s) / self.window_s) + steps
-            as_of = at_s
-        else:
-            count += steps * math.exp((at_s - as_of) / self.window_s)
-        if worker in self._counts or len(self._counts) < MAX_TRACKED_WORKERS:
-            self._counts[worker] = (count if count > 0.0 else 0.0, as_of)
 
 
 class Candidate:
@@ -133,12 +78,14 @@ class Candidate:
         "harm",
         "harm_ms",
         "interference_ms",
+        "leg",
         "misses",
         "queue_ms",
         "risk",
         "slow_steps",
         "transfer_ms",
         "ttft_ms",
+        "work_ms",
         "workers",
     )
 
@@ -155,9 +102,13 @@ class Candidate:
         harm: float,
         exposure: float,
         slow_steps: int,
+        leg: PrefillLeg,
+        work_ms: float,
         transfer_ms: float = 0.0,
     ) -> None:
+        self.work_ms = work_ms
         self.action: Action = action
+        self.leg = leg
         self.workers = workers
         self.slow_steps = slow_steps
         self.queue_ms = queue_ms
@@ -204,6 +155,7 @@ class Scorer:
         "_objective_ms",
         "_own_budget",
         "_own_gaps",
+        "_prefix",
         "_prompt",
         "_queues",
         "_request_id",
@@ -212,6 +164,7 @@ class Scorer:
         "_stalls",
         "_stream_budget",
         "_uncached_resident",
+        "_work",
     )
 
     def __init__(
@@ -224,6 +177,8 @@ class Scorer:
         horizon_s: float,
         default_bps: float,
         stalls: StallLedger | None = None,
+        prefix: tuple[str, int] | None = None,
+        work: WorkLedger | None = None,
     ) -> None:
         prompt = turn.prompt_tokens if turn.prompt_tokens > 0 else 0
         uncached = min(max(turn.uncached_tokens, 0), prompt)
@@ -233,6 +188,10 @@ class Scorer:
         self._resident = view.residency.worker_id if view.residency is not None else None
         shared = int(estimates.shared_prefix_tokens)
         self._shared = max(0, min(shared, prompt - 1))
+        # The worker that prefilled this session's last split turn keeps that prompt cached.
+        self._prefix = (
+            ("", 0) if prefix is None else (prefix[0], max(0, min(prefix[1], prompt - 1)))
+        )
         self._itl_ms = turn.objectives.itl_ms
         self._objective_ms = turn.objectives.ttft_ms
         self._kv_bytes = view.kv_bytes_per_token
@@ -242,6 +201,7 @@ class Scorer:
         self._queues: dict[str, float] = {}
         self._links = links
         self._stalls = stalls
+        self._work = work
         self._now_s = view.now_s
         self._request_id = turn.request_id
         self._own_gaps = turn.max_tokens - 1 if turn.max_tokens > 1 else 0
@@ -253,7 +213,9 @@ class Scorer:
         recompute."""
         wid = worker.worker_id
         cached = self._cached_at(wid)
-        compute, own, harm_ms, slow = self._local_prefill(worker, self._prompt - cached, cached)
+        compute, own, harm_ms, slow, share = self._local_prefill(
+            worker, self._prompt - cached, cached
+        )
         action: Action = "colocate"
         if self._resident is not None and wid != self._resident:
             action = "recompute"
@@ -265,9 +227,11 @@ class Scorer:
             compute_ms=compute,
             own_wait_ms=own,
             harm_ms=harm_ms,
-            harm=self._harm(worker, slow),
+            harm=self._harm(worker, share),
             exposure=self.exposure(worker),
             slow_steps=slow,
+            leg=self._leg(worker, cached),
+            work_ms=self._estimates.prefill_work_ms(self._prompt - cached, cached, wid),
         )
 
     def handoff(
@@ -276,7 +240,9 @@ class Scorer:
         """Prefill on `prefill`, move the KV `decode` lacks, decode there (a migration from
         the resident runs exactly so)."""
         cached = self._cached_at(prefill.worker_id)
-        compute, own, harm_ms, slow = self._local_prefill(prefill, self._prompt - cached, cached)
+        compute, own, harm_ms, slow, share = self._local_prefill(
+            prefill, self._prompt - cached, cached
+        )
         nbytes = (self._prompt - self._cached_at(decode.worker_id)) * self._kv_bytes
         transfer = self.transfer_ms(prefill.worker_id, decode.worker_id, nbytes)
         queue = self.queue_ms(prefill)
@@ -294,9 +260,13 @@ class Scorer:
             compute_ms=compute + first_step,
             own_wait_ms=own,
             harm_ms=harm_ms,
-            harm=self._harm(prefill, slow),
+            harm=self._harm(prefill, share),
             exposure=self.exposure(decode),
             slow_steps=slow,
+            leg=self._leg(prefill, cached),
+            work_ms=self._estimates.prefill_work_ms(
+                self._prompt - cached, cached, prefill.worker_id
+            ),
             transfer_ms=transfer,
         )
 
@@ -304,23 +274,37 @@ class Scorer:
         wid = worker.worker_id
         wait = self._queues.get(wid)
         if wait is None:
-            unseen = worker.inflight - worker.running - worker.waiting
-            depth = worker.waiting + (unseen if unseen > 0 else 0)
-            wait = self._queues[wid] = self._estimates.queue_wait_ms(depth)
+            wait = self._estimates.queue_wait_ms(queue_ahead(worker))
+            if self._work is not None:
+                placed = self._work.backlog_ms(wid, self._now_s, self._request_id)
+                wait = placed if placed > wait else wait
+            self._queues[wid] = wait
         return wait
 
     def exposure(self, worker: WorkerView) -> float:
-        """Expected ITL misses of this turn's answer from the slow steps of `worker`."""
+        """Expected misses of this turn's answer decoded on `worker`: from its slow steps,
+        and from a KV cache about to fill (preemption)."""
+        # The KV it adds there: the context not cached there and the answer, in streams.
+        cached = self._cached_at(worker.worker_id)
+        mean = self._estimates.mean_context_tokens
+        added = self._prompt - cached + self._own_gaps + 1
+        crowding = kv_crowding(worker, added / mean if mean > 1.0 else 1.0)
         if self._stalls is None or self._own_gaps == 0:
-            return 0.0
+            return crowding
         rate = self._stalls.rate(worker.worker_id, self._now_s, self._request_id)
         if rate <= 0.0:
-            return 0.0
+            return crowding
         batch = (worker.running if worker.running > 0 else 0) + 1
         step = self._estimates.decode_step_ms(
             batch, self._estimates.mean_context_tokens, worker.worker_id
         )
-        return rate * self._own_gaps * step / 1000.0 / self._own_budget
+        return crowding + rate * self._own_gaps * step / 1000.0 / self._own_budget
+
+    def stall_rate(self, worker: WorkerView) -> float:
+        """Slow steps per second recently placed on `worker`."""
+        if self._stalls is None:
+            return 0.0
+        return self._stalls.rate(worker.worker_id, self._now_s, self._request_id)
 
     def transfer_ms(self, src: str, dst: str, nbytes: int) -> float:
         """Exposed time to move `nbytes` over src -> dst, given what the ledger holds."""
@@ -343,33 +327,49 @@ class Scorer:
         latency_s = link.latency_s if 0.0 < link.latency_s < math.inf else 0.0
         return (latency_s + nbytes / available) * 1000.0
 
-    def _cached_at(self, worker_id: str) -> int:
-        return self._cached_resident if worker_id == self._resident else self._shared
+    @staticmethod
+    def _leg(worker: WorkerView, cached: int) -> PrefillLeg:
+        beside = worker.running if worker.role != "prefill" and worker.running > 0 else 0
+        return PrefillLeg(cached, beside)
 
-    def _harm(self, worker: WorkerView, slow: int) -> float:
-        if slow <= 0 or worker.running <= 0 or worker.role == "prefill":
+    def _cached_at(self, worker_id: str) -> int:
+        if worker_id == self._resident:
+            return self._cached_resident
+        if worker_id == self._prefix[0] and self._prefix[1] > self._shared:
+            return self._prefix[1]
+        return self._shared
+
+    def _harm(self, worker: WorkerView, slow: float) -> float:
+        if slow <= 0.0 or worker.running <= 0 or worker.role == "prefill":
             return 0.0
         return worker.running * slow / self._stream_budget
 
     def _local_prefill(
         self, worker: WorkerView, uncached: int, cached: int
-    ) -> tuple[float, float, float, int]:
-        """(compute, own wait, harm ms, steps past the ITL objective) of prefilling on
-        `worker` beside its decode streams (a "prefill" worker runs none)."""
+    ) -> tuple[float, float, float, int, float]:
+        """(compute, own wait, harm ms, its steps past the ITL objective, the slow steps it
+        adds for the streams beside it) of prefilling on `worker` (a "prefill" worker runs
+        no streams). Continuous batching runs it in the steps of the prefills placed there
+        before it: behind that work it adds compute / ITL of a slow step when the steps it
+        joins are slow, even if it alone would not make them so."""
         estimates = self._estimates
         wid = worker.worker_id
         compute = estimates.prefill_ms(uncached, cached, wid)
         if worker.role == "prefill":
-            return compute, 0.0, 0.0, 0
+            return compute, 0.0, 0.0, 0, 0.0
         chunks = estimates.prefill_chunks(uncached if uncached > 1 else 1)
         itl = self._itl_ms
         running = worker.running
         if running <= 0:
-            return compute, 0.0, 0.0, chunks if compute / chunks > itl else 0
+            slow = chunks if compute / chunks > itl else 0
+            return compute, 0.0, 0.0, slow, float(slow)
         fused = estimates.prefill_ms(uncached, cached, wid, running)
         per_step = fused / chunks
+        ahead = self._work.backlog_ms(wid, self._now_s, self._request_id) if self._work else 0.0
         step = estimates.decode_step_ms(running, estimates.mean_context_tokens, wid)
-        over = per_step - (step if step > itl else itl)
+        over = per_step + ahead / chunks - (step if step > itl else itl)
         harm_ms = running * chunks * over if over > 0.0 else 0.0
         own = fused - compute
-        return compute, own if own > 0.0 else 0.0, harm_ms, chunks if per_step > itl else 0
+        slow = chunks if per_step > itl else 0
+        share = float(slow) if slow or over <= 0.0 else fused / itl
+        return compute, own if own > 0.0 else 0.0, harm_ms, slow, share

@@ -17,9 +17,11 @@ B = HBM bytes/s x tp x 0.85 (the prior's efficiencies):
       compute = b (2 P + 4 L H d x) / F
       memory  = (W + kv b (x + 1)) / B
       step    = O + max(gc x compute, gm x memory)
-- queue wait behind q requests: base + fq x q x typical, where `typical` is the EWMA of the
-  predicted prefill of each turn served (what a request ahead costs; an observed prefill stage
-  also holds the wait before it), `base` the EWMA of waits at q = 0;
+- queue wait behind q requests: max(0, base + fq x q x typical), where `typical` is the EWMA
+  of the predicted prefill of each turn served (what a request ahead costs); the router
+  measures the wait only inside a stage, the prefill leg of a split turn or the TTFT of a
+  whole one, so each wait sample is that stage less its predicted prefill
+  (`policies.calibration`, which holds the learning parts);
 - link rate: EWMA of observed bytes / second per (src, dst) link;
 - workload means: the answer length (completion tokens) and the shared prefix, the tokens a
   fresh session's first turn, run whole on one worker, found cached there (`observe_fresh`).
@@ -28,12 +30,14 @@ Each roof has its own correction factor, kept fleet-wide and per worker (a worke
 the fleet's factors when it first reports; a worker that never reported uses the fleet's). An
 observation moves each factor toward factor x observed / predicted (log-space EWMA at `rate`,
 weighted by the share of the prediction that roof binds), and pulls a factor down when its
-roof alone would exceed the observation. Two factors per quantity let a prior GPU whose compute
-and bandwidth ratios differ from the real one's (h200 prior, a100 truth: 3.2x the FLOP/s but
-2.4x the bandwidth) converge in both regimes. Factors stay within [0.05, 20]; non-finite,
-non-positive, hour-long and failed observations are ignored. Means (context, typical prefill,
-queue base, answer length, shared prefix) start as running means with the prior as one
-sample, then turn into EWMAs.
+roof alone would exceed the observation. A prefill stage teaches the roofs only when the
+turn found no request queued ahead (else the stage is mostly queue wait); the TTFT of a turn
+run whole (it reports no prefill stage), noisier, teaches the fleet's roofs only. Two factors per
+quantity let a prior GPU whose compute and bandwidth ratios differ from the real one's (h200
+prior, a100 truth: 3.2x the FLOP/s but 2.4x the bandwidth) converge in both regimes.
+Factors stay within [0.05, 20]; non-finite, non-positive, hour-long and failed observations
+are ignored. Means (context, typical prefill, queue base, answer length, shared prefix)
+start as running means with the prior as one sample, then turn into EWMAs.
 
 Outcome counts: `worker_running_at_start` is read as the decode batch the turn joined (and, for
 a turn prefilled where it decodes, the streams its prefill shared steps with, at the mean
@@ -43,69 +47,32 @@ worker.
 
 from __future__ import annotations
 
-import math
+from typing import NamedTuple
 
+from policies.calibration import FACTOR_MAX as FACTOR_MAX
+from policies.calibration import FACTOR_MIN as FACTOR_MIN
+from policies.calibration import (
+    Average,
+    Correction,
+    QueueModel,
+    plausible,
+)
 from policies.hardware import RooflinePrior, Terms, gpu_preset, model_preset
 from policies.types import Outcome
 
 TYPICAL_PROMPT_TOKENS = 2048
 TYPICAL_COMPLETION_TOKENS = 256
 COMPLETION_TOKENS_MAX = 1 << 20
-FACTOR_MIN = 0.05
-FACTOR_MAX = 20.0
 LINK_BPS_MIN = 1e6
 LINK_BPS_MAX = 1e13
 # A stage reported to last an hour or more is a broken clock, not a measurement.
 STAGE_MS_MAX = 3.6e6
 # Bounds the per-worker and per-link tables against a stream of unknown names.
 MAX_TRACKED = 4096
+# Per-worker factors within this of the fleet's are taken as the fleet's (noise, not speed).
+WORKER_DEADBAND = 0.15
 # The workload's mean context moves slowly and its samples are heavy-tailed.
 CONTEXT_RATE_FRACTION = 0.2
-
-
-class _Correction:
-    """Learned multipliers of the compute and memory roofs of one quantity."""
-
-    __slots__ = ("compute", "memory")
-
-    def __init__(self, compute: float = 1.0, memory: float = 1.0) -> None:
-        self.compute = compute
-        self.memory = memory
-
-    def copy(self) -> _Correction:
-        return _Correction(self.compute, self.memory)
-
-    def predict(self, terms: Terms) -> float:
-        overhead, compute_a, memory_a, compute_b, memory_b = terms
-        fc, fm = self.compute, self.memory
-        a = max(compute_a * fc, memory_a * fm)
-        b = max(compute_b * fc, memory_b * fm)
-        return overhead + a + b
-
-    def update(self, terms: Terms, observed: float, rate: float) -> None:
-        overhead, compute_a, memory_a, compute_b, memory_b = terms
-        fc, fm = self.compute, self.memory
-        a_compute, a_memory = compute_a * fc, memory_a * fm
-        b_compute, b_memory = compute_b * fc, memory_b * fm
-        a = max(a_compute, a_memory)
-        b = max(b_compute, b_memory)
-        excess = observed - overhead
-        ratio = excess / (a + b)
-        # Each roof moves by the observed/predicted ratio, as much as it binds the prediction.
-        compute_share = (
-            (a if a_compute >= a_memory else 0.0) + (b if b_compute >= b_memory else 0.0)
-        ) / (a + b)
-        if compute_share > 0.0:
-            self.compute = _blend(fc, fc * ratio, rate * compute_share)
-        if compute_share < 1.0:
-            self.memory = _blend(fm, fm * ratio, rate * (1.0 - compute_share))
-        # A roof that alone exceeds the observation is too high, binding or not.
-        compute = compute_a + compute_b
-        if compute * fc > excess:
-            self.compute = min(self.compute, _blend(fc, excess / compute, rate))
-        memory = memory_a + memory_b
-        if memory * fm > excess:
-            self.memory = min(self.memory, _blend(fm, excess / memory, rate))
 
 
 class Estimates:
@@ -129,17 +96,16 @@ class Estimates:
         # hardware's, and each stage teaches the roof it binds (decode steps the bandwidth,
         # long prefills the FLOP/s). Separate pairs let a short, memory-bound prefill
         # predicted as compute-bound (its memory factor never taught) inflate the compute one.
-        self._prefill = _Correction()
+        self._prefill = Correction()
         self._decode = self._prefill
-        self._prefill_by_worker: dict[str, _Correction] = {}
+        self._prefill_by_worker: dict[str, Correction] = {}
         self._decode_by_worker = self._prefill_by_worker
         self._link_bps: dict[tuple[str, str], float] = {}
-        self._context = _Average(float(TYPICAL_PROMPT_TOKENS), rate * CONTEXT_RATE_FRACTION)
-        self._completion = _Average(float(TYPICAL_COMPLETION_TOKENS), rate * CONTEXT_RATE_FRACTION)
-        self._shared = _Average(0.0, rate)
-        self._typical_prefill = _Average(self.prefill_ms(TYPICAL_PROMPT_TOKENS), rate)
-        self._queue_base = _Average(0.0, rate)
-        self._queue_factor = 1.0
+        self._context = Average(float(TYPICAL_PROMPT_TOKENS), rate * CONTEXT_RATE_FRACTION)
+        self._completion = Average(float(TYPICAL_COMPLETION_TOKENS), rate * CONTEXT_RATE_FRACTION)
+        self._shared = Average(0.0, rate)
+        self._typical_prefill = Average(self.prefill_ms(TYPICAL_PROMPT_TOKENS), rate)
+        self._queue = QueueModel(self._typical_prefill.value, rate)
 
     @classmethod
     def from_presets(
@@ -175,18 +141,36 @@ class Estimates:
             running,
             self._context.value,
         )
-        correction = self._prefill
-        if worker is not None:
-            correction = self._prefill_by_worker.get(worker, correction)
+        correction = self._worker_correction(worker)
         return correction.predict(terms)
+
+    def prefill_work_ms(self, uncached: int, cached: int = 0, worker: str | None = None) -> float:
+        """The arithmetic of that prefill alone (its compute roof): what it adds to a step it
+        shares with others, whose overhead and weight reads are paid once for all."""
+        terms = self.prior.prefill_terms(uncached if uncached > 1 else 1, max(cached, 0))
+        correction = self._worker_correction(worker)
+        return correction.compute * (terms[1] + terms[3])
 
     def decode_step_ms(self, batch: int, context: float, worker: str | None = None) -> float:
         """One decode step of `batch` streams (at least one) of `context` tokens each."""
         terms = self.prior.decode_terms(batch if batch > 1 else 1, context if context > 0 else 0)
-        correction = self._decode
-        if worker is not None:
-            correction = self._decode_by_worker.get(worker, correction)
+        correction = self._worker_correction(worker)
         return correction.predict(terms)
+
+    def _worker_correction(self, worker: str | None) -> Correction:
+        """The worker's own factors where they differ from the fleet's by more than
+        `WORKER_DEADBAND` (a slower or faster GPU), else the fleet's: within it the difference
+        is what each worker happened to observe, and ranking workers by it would herd turns
+        onto whichever looks a few percent faster."""
+        fleet = self._prefill
+        own = self._prefill_by_worker.get(worker) if worker is not None else None
+        if own is None:
+            return fleet
+        if abs(own.compute / fleet.compute - 1.0) > WORKER_DEADBAND:
+            return own
+        if abs(own.memory / fleet.memory - 1.0) > WORKER_DEADBAND:
+            return own
+        return fleet
 
     @property
     def mean_context_tokens(self) -> float:
@@ -215,9 +199,7 @@ class Estimates:
 
     def queue_wait_ms(self, depth: float) -> float:
         """Wait before a new request's prefill starts behind `depth` queued requests."""
-        if depth <= 0:
-            return self._queue_base.value
-        return self._queue_base.value + self._queue_factor * depth * self._typical_prefill.value
+        return self._queue.wait_ms(depth, self._typical_prefill.value)
 
     def link_bps(self, src: str, dst: str) -> float | None:
         """Observed transfer rate of the link src -> dst, None until a transfer reported."""
@@ -232,27 +214,35 @@ class Estimates:
             "prefill_memory": prefill.memory,
             "decode_compute": decode.compute,
             "decode_memory": decode.memory,
-            "queue": self._queue_factor,
+            "queue": self._queue.factor,
         }
 
-    def observe(self, outcome: Outcome) -> None:
-        """Calibrate from one placed turn; failed turns and missing stages teach nothing."""
+    def observe(self, outcome: Outcome, prefill: PrefillLeg | None = None) -> None:
+        """Calibrate from one placed turn; failed turns and missing stages teach nothing.
+
+        `prefill`: what the placement assumed of its prefill leg (the cached tokens and the
+        decode streams on its worker); a split turn's outcome counts the decode leg's cache
+        hit (the pulled KV), not the prefill's."""
         if not outcome.ok:
             return
         running = max(0, outcome.worker_running_at_start)
         if 0 < outcome.completion_tokens < COMPLETION_TOKENS_MAX:
             self._completion.add(outcome.completion_tokens)
-        decoded = _plausible(outcome.decode_ms) and outcome.completion_tokens >= 2
+        decoded = plausible(outcome.decode_ms, STAGE_MS_MAX) and outcome.completion_tokens >= 2
         if decoded:
             self._observe_decode(outcome, running)
-        prefilled = _plausible(outcome.prefill_ms)
-        if prefilled:
-            self._observe_prefill(outcome, running)
-        if decoded or prefilled:
-            self._observe_size(outcome)
-        if outcome.queue_ms is not None and 0.0 <= outcome.queue_ms < STAGE_MS_MAX:
-            self._observe_queue(outcome.queue_ms, outcome.worker_waiting_at_start)
-        if _plausible(outcome.transfer_ms) and outcome.transfer_bytes > 0:
+        queued = outcome.queue_ms
+        if queued is not None and not 0.0 <= queued < STAGE_MS_MAX:
+            queued = None
+        stage = _prefill_stage(outcome, queued)
+        leg = prefill if prefill is not None else _leg_of(outcome, running)
+        if stage is not None:
+            self._observe_prefill(outcome, leg, stage, queued or 0.0)
+        elif queued is not None:
+            self._queue.observe(queued, _depth(outcome), self._typical_prefill.value)
+        if decoded or stage is not None:
+            self._observe_size(outcome, leg)
+        if plausible(outcome.transfer_ms, STAGE_MS_MAX) and outcome.transfer_bytes > 0:
             self._observe_transfer(outcome)
 
     def _observe_decode(self, outcome: Outcome, running: int) -> None:
@@ -263,38 +253,37 @@ class Estimates:
         self._learn(self._decode, self._decode_by_worker, outcome.decode_worker, terms, step)
         self._context.add(context)
 
-    def _observe_prefill(self, outcome: Outcome, running: int) -> None:
-        assert outcome.prefill_ms is not None
+    def _observe_prefill(
+        self, outcome: Outcome, leg: PrefillLeg, stage: float, queued: float
+    ) -> None:
+        """`stage` = the engine's queue wait + the prefill: the part the prefill predicted for
+        it cannot explain is queue wait; a turn that found no queue teaches the roofs."""
         prompt = max(0, outcome.prompt_tokens)
-        cached = min(max(0, outcome.cached_tokens), prompt)
+        cached = min(max(0, leg.cached), prompt)
         uncached = max(1, prompt - cached)
-        # A handoff's prefill worker runs no decode streams beside it.
-        beside = running if outcome.action != "handoff" else 0
         terms = self.prior.prefill_terms(
-            uncached, cached, self.chunk_tokens, beside, self._context.value
+            uncached, cached, self.chunk_tokens, max(0, leg.beside), self._context.value
         )
-        self._learn(
-            self._prefill,
-            self._prefill_by_worker,
-            outcome.prefill_worker,
-            terms,
-            outcome.prefill_ms,
-        )
+        worker = outcome.prefill_worker or outcome.decode_worker
+        correction = self._prefill_by_worker.get(worker or "", self._prefill)
+        predicted = correction.predict(terms)
+        depth = _depth(outcome)
+        if depth == 0:
+            # A TTFT also holds the step in progress and the first token's relay: noisier
+            # than a measured prefill stage, it teaches the fleet's roofs, not the worker's.
+            measured = plausible(outcome.prefill_ms, STAGE_MS_MAX)
+            self._learn(
+                self._prefill, self._prefill_by_worker, worker if measured else None, terms, stage
+            )
+        self._queue.observe(queued + stage - predicted, depth, self._typical_prefill.value)
 
-    def _observe_size(self, outcome: Outcome) -> None:
+    def _observe_size(self, outcome: Outcome, leg: PrefillLeg) -> None:
         """What a request ahead in a queue costs: this workload's prefill, as predicted (an
         observed prefill stage also holds the wait before it)."""
         prompt = max(0, outcome.prompt_tokens)
-        cached = min(max(0, outcome.cached_tokens), prompt)
+        cached = min(max(0, leg.cached), prompt)
         worker = outcome.prefill_worker or outcome.decode_worker
         self._typical_prefill.add(self.prefill_ms(prompt - cached, cached, worker))
-
-    def _observe_queue(self, queue_ms: float, waiting: int) -> None:
-        if waiting <= 0:
-            self._queue_base.add(queue_ms)
-            return
-        target = (queue_ms - self._queue_base.value) / (waiting * self._typical_prefill.value)
-        self._queue_factor = _blend(self._queue_factor, target, self.rate)
 
     def _observe_transfer(self, outcome: Outcome) -> None:
         src, dst = outcome.prefill_worker, outcome.decode_worker
@@ -314,8 +303,8 @@ class Estimates:
 
     def _learn(
         self,
-        fleet: _Correction,
-        by_worker: dict[str, _Correction],
+        fleet: Correction,
+        by_worker: dict[str, Correction],
         worker: str | None,
         terms: Terms,
         observed: float,
@@ -330,29 +319,34 @@ class Estimates:
         fleet.update(terms, observed, rate)
 
 
-class _Average:
-    """A running mean (the prior counting as one sample) that turns into an EWMA at `rate`
-    once 1 / rate samples are in, so a rough prior is forgotten after the first samples."""
-
-    __slots__ = ("count", "rate", "value")
-
-    def __init__(self, prior: float, rate: float) -> None:
-        self.value = prior
-        self.rate = rate
-        self.count = 1
-
-    def add(self, sample: float) -> None:
-        self.count += 1
-        weight = 1.0 / self.count
-        self.value += (weight if weight > self.rate else self.rate) * (sample - self.value)
+WHOLE_ACTIONS = ("colocate", "recompute")
 
 
-def _plausible(value: float | None) -> bool:
-    return value is not None and 0.0 < value < STAGE_MS_MAX
+class PrefillLeg(NamedTuple):
+    """A turn's prefill as placed: tokens cached on its worker, decode streams beside it."""
+
+    cached: int
+    beside: int
 
 
-def _blend(factor: float, target: float, rate: float) -> float:
-    """Move `factor` toward `target` by `rate` in log space, both kept in the factor bounds."""
-    target = min(max(target, FACTOR_MIN), FACTOR_MAX) if target == target else factor
-    blended = factor * math.exp(rate * math.log(target / factor))
-    return min(max(blended, FACTOR_MIN), FACTOR_MAX)
+def _prefill_stage(outcome: Outcome, queued: float | None) -> float | None:
+    """The engine's queue wait + the prefill, in ms: the prefill leg of a split turn, or the
+    TTFT of a turn run whole (less the router's own queue stage); None when unmeasured."""
+    if plausible(outcome.prefill_ms, STAGE_MS_MAX):
+        return outcome.prefill_ms
+    if outcome.action in WHOLE_ACTIONS and plausible(outcome.ttft_ms, STAGE_MS_MAX):
+        assert outcome.ttft_ms is not None
+        stage = outcome.ttft_ms - (queued or 0.0)
+        return stage if stage > 0.0 else None
+    return None
+
+
+def _leg_of(outcome: Outcome, running: int) -> PrefillLeg:
+    """The prefill leg as the outcome tells it: its cached tokens, and the decode streams
+    beside it where the turn decoded on the same worker (a split one's prefill worker: none)."""
+    beside = running if outcome.action in WHOLE_ACTIONS else 0
+    return PrefillLeg(outcome.cached_tokens, beside)
+
+
+def _depth(outcome: Outcome) -> int:
+    return outcome.worker_waiting_at_start if outcome.worker_waiting_at_start > 0 else 0

@@ -84,7 +84,8 @@ class StageEvents(msgspec.Struct):
     error: str | None = None
     http_status: int | None = None
     retried: bool = False
-    # the decode worker's running streams and the prefill worker's queue when placed
+    # the decode worker's running streams and the queue ahead at the prefill worker when placed
+    # (its scraped waiting plus the legs in flight there the scrape has not counted)
     worker_running_at_start: int = 0
     worker_waiting_at_start: int = 0
     first_token_convention: FirstTokenConvention = "decode"

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from policies.base import Policy
+from policies.calibration import queue_ahead
 from policies.types import (
     ClusterView,
     Decision,
@@ -221,7 +222,7 @@ class TurnPipeline:
         decode_view = view.worker(events.decode_worker or "")
         prefill_view = view.worker(events.prefill_worker or events.decode_worker or "")
         events.worker_running_at_start = decode_view.running if decode_view else 0
-        events.worker_waiting_at_start = prefill_view.waiting if prefill_view else 0
+        events.worker_waiting_at_start = queue_ahead(prefill_view) if prefill_view else 0
         if action == "recompute" and ctx.record is not None:
             events.recomputed_tokens = ctx.record.tokens
         return decision

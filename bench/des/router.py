@@ -32,6 +32,7 @@ from bench.des.turns import DoneCallback, Flight, TurnRequest
 from bench.des.views import ViewBuilder
 from bench.metrics import RequestResult, Status
 from policies.base import Policy
+from policies.calibration import queue_ahead
 from policies.types import (
     Colocate,
     Decision,
@@ -116,6 +117,11 @@ class SimRouter:
             events.prefill_worker, events.decode_worker = decision.source, decision.destination
         elif isinstance(decision, Colocate | Recompute):
             events.decode_worker = decision.worker
+        # As the proxy: the decode worker's running streams, the prefill worker's queue.
+        decode_view = view.worker(events.decode_worker or "")
+        prefill_view = view.worker(events.prefill_worker or events.decode_worker or "")
+        events.worker_running_at_start = decode_view.running if decode_view else 0
+        events.worker_waiting_at_start = queue_ahead(prefill_view) if prefill_view else 0
         if action == "recompute" and residency is not None:
             events.recomputed_tokens = residency.tokens
         self._execute(Flight(req, turn, residency, events), decision)

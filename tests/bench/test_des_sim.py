@@ -344,3 +344,31 @@ def test_a_run_leaves_the_cyclic_collector_as_it_was(collecting: bool) -> None:
         assert gc.isenabled() == collecting
     finally:
         gc.enable()
+
+
+class OutcomeRecorder(Recorder):
+    """Colocates like `Recorder` and keeps every outcome."""
+
+    def __init__(self, params: NoParams | None = None) -> None:
+        super().__init__(params)
+        self.outcomes: list[Outcome] = []
+
+    def observe(self, outcome: Outcome) -> None:
+        self.outcomes.append(outcome)
+
+
+def test_outcomes_carry_the_load_seen_at_placement_as_the_live_router_fills_them() -> None:
+    # Three turns on w0 within one scrape interval: the scrape at t=0 saw w0 idle, so the
+    # queue ahead of each is the legs in flight there; the streams running come from the scrape.
+    trace = Trace(
+        "t", tuple(Conversation(f"s{i}", (TraceTurn(0.1 * i, 4000, 4),)) for i in range(3))
+    )
+    policy = OutcomeRecorder()
+    simulate(trace, policy, config(("mixed", "mixed"), scrape_interval_s=10.0))
+    by_request = {o.request_id: o for o in policy.outcomes}
+    placed = [by_request[turn.request_id] for turn, _ in policy.seen]
+    assert [o.worker_waiting_at_start for o in placed] == [0, 1, 2]
+    assert [o.worker_running_at_start for o in placed] == [0, 0, 0]
+    # Turns run whole report no prefill stage: their TTFT holds the queue wait and prefill.
+    assert all(o.prefill_ms is None and o.ttft_ms is not None for o in placed)
+    assert all(o.queue_ms is not None and o.queue_ms < 1e-6 for o in placed)

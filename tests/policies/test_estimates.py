@@ -137,17 +137,28 @@ def test_learns_each_workers_speed() -> None:
 
 
 def test_queue_wait_learns_the_cost_of_each_request_ahead() -> None:
+    # The router forwards at once (queue stage ~0): the engine's queue wait is inside the
+    # measured prefill stage, and the estimates separate it from the prefill they predict.
     truth = Truth()
     estimates = Estimates.from_presets("h200-sxm")
     rng = random.Random(11)
-    for _ in range(200):
-        depth = rng.randint(0, 12)
+    for _ in range(400):
+        depth = rng.choice((0, rng.randint(1, 12)))
         # Each request ahead costs about one mean prefill of this workload (~150 ms on truth).
-        outcome = measured_outcome(rng, truth, "handoff", queue_ms=5.0 + 150.0 * depth)
-        estimates.observe(msgspec.structs.replace(outcome, worker_waiting_at_start=depth))
-    assert estimates.queue_wait_ms(0) == pytest.approx(5.0, rel=0.15)
-    for depth in (1, 4, 10):
-        assert estimates.queue_wait_ms(depth) == pytest.approx(5.0 + 150.0 * depth, rel=0.15)
+        outcome = measured_outcome(rng, truth, "handoff", queue_ms=0.0)
+        wait = 150.0 * depth
+        assert outcome.prefill_ms is not None
+        estimates.observe(
+            msgspec.structs.replace(
+                outcome, prefill_ms=outcome.prefill_ms + wait, worker_waiting_at_start=depth
+            )
+        )
+    assert estimates.queue_wait_ms(0) < 15.0
+    for depth in (4, 10):
+        assert estimates.queue_wait_ms(depth) == pytest.approx(150.0 * depth, rel=0.15)
+    # The roofs learned from the turns that found no queue.
+    prefill, _ = worst_errors(estimates, truth, 4)
+    assert prefill < 0.15
 
 
 def test_link_rate_is_an_ewma_of_observed_transfers() -> None:
@@ -327,8 +338,8 @@ def _snapshot(estimates: Estimates) -> tuple[object, ...]:
 
 
 def test_typical_prefill_is_the_predicted_prefill_of_the_turns_served() -> None:
-    # Colocated turns report no prefill stage (a handoff's holds the queue wait as well):
-    # what a request ahead costs is the prefill predicted for the turns this workload sends.
+    # A measured stage holds the queue wait as well: what a request ahead costs is the
+    # prefill predicted for the turns this workload sends.
     estimates = Estimates.from_presets()
     assert estimates.typical_prefill_ms == pytest.approx(estimates.prefill_ms(2048))
     served = _outcome(action="colocate", prefill_worker="d1", decode_ms=630.0)
