@@ -2,7 +2,8 @@
 
 One rule for every bench command (live `bench compare` and `bench simulate`), so a policy is
 always compared on the same GPUs laid out the same way: colocate, which never splits a turn,
-gets only mixed workers; every other policy (disaggregate, threshold, round-robin, adaptive,
+gets only mixed workers; adaptive, which splits a turn only when that pays, gets mixed workers
+unless `prefill_workers` is given; every other policy (disaggregate, threshold, round-robin,
 and plugins) gets `prefill_workers` prefill workers (default a quarter of the cluster, at
 least one) followed by decode workers.
 """
@@ -17,6 +18,8 @@ import msgspec
 from policies.types import Role
 
 MIXED_POLICIES: frozenset[str] = frozenset(("colocate",))
+# Policies that decide per turn whether to split it: mixed workers unless a split is asked for.
+MIXED_BY_DEFAULT: frozenset[str] = frozenset(("adaptive",))
 
 # Policy parameters that describe the hardware; filled from the cluster unless given.
 _HARDWARE_PARAMS = ("gpu", "model", "tp", "chunked_prefill")
@@ -36,7 +39,7 @@ def worker_roles(policy: str, workers: int, prefill_workers: int | None = None) 
     """
     if workers < 1:
         raise ValueError(f"a cluster needs at least one worker, got {workers}")
-    if policy in MIXED_POLICIES:
+    if policy in MIXED_POLICIES or (policy in MIXED_BY_DEFAULT and prefill_workers is None):
         return ["mixed"] * workers
     prefill = default_prefill_workers(workers) if prefill_workers is None else prefill_workers
     if workers < 2 or not 1 <= prefill <= workers - 1:

@@ -117,7 +117,10 @@ def test_adaptive_gets_the_clusters_hardware(tmp_path: Path) -> None:
     [stack] = plan(CompareSpec(policies=("adaptive",), cluster=TWO_GPUS), tmp_path)
     params = dict(stack.policy_params)
     assert (params["gpu"], params["model"], params["tp"]) == ("h200-sxm", "llama-3.1-8b", "1")
-    assert stack.roles == ("prefill", "decode")
+    assert stack.roles == ("mixed", "mixed")  # it splits a turn only when that pays
+    [split] = plan(CompareSpec(policies=("adaptive",), cluster=TWO_GPUS, prefill_workers=1),
+                   tmp_path)  # fmt: skip
+    assert split.roles == ("prefill", "decode")
 
 
 def test_comparison_table_has_a_column_per_run(tmp_path: Path) -> None:

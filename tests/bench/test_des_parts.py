@@ -63,6 +63,7 @@ def test_goodput_search_stops_at_its_floor_and_ceiling(
         ("disaggregate", 8, None, ["prefill"] * 2 + ["decode"] * 6),
         ("threshold", 3, None, ["prefill", "decode", "decode"]),
         ("adaptive", 8, 3, ["prefill"] * 3 + ["decode"] * 5),
+        ("adaptive", 4, None, ["mixed"] * 4),
         ("round-robin", 2, None, ["prefill", "decode"]),
         ("my.plugin:Policy", 4, None, ["prefill", "decode", "decode", "decode"]),
     ],
