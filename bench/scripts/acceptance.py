@@ -265,12 +265,10 @@ def measure(
 
 def _plan(variant: Variant, template: SimConfig) -> PolicyRun:
     params = {variant.policy: variant.params} if variant.params else None
-    split = variant.prefill_workers
-    if split is None and not variant.mixed:  # a split, even for a policy mixed by default
-        split = default_prefill_workers(template.cluster.workers)
+    # A split unless mixed, even for a policy that bench.layout puts on mixed workers.
+    split = variant.prefill_workers or default_prefill_workers(template.cluster.workers)
     (run,) = plan_runs([variant.policy], template, split, params)
-    # Mixed workers as colocate's (bench.layout gives a splitting policy a fixed split).
-    mixed = msgspec.structs.replace(run.config, roles=template.roles)
+    mixed = msgspec.structs.replace(run.config, roles=template.roles)  # as colocate's
     return msgspec.structs.replace(run, config=mixed) if variant.mixed else run
 
 
