@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 
-import msgspec
 import pytest
 
 from policies import (
@@ -16,21 +15,13 @@ from policies import (
     Outcome,
     Recompute,
     Residency,
-    Role,
     Turn,
     WorkerView,
     create_policy,
 )
 from policies.adaptive import AdaptivePolicy
 from policies.adaptive_scoring import Scorer, StallLedger, slow_gap_budget
-
-KV = 131072
-
-
-def w(worker_id: str, role: Role = "mixed", **fields: object) -> WorkerView:
-    return msgspec.convert(
-        {"worker_id": worker_id, "role": role, "healthy": True, **fields}, WorkerView
-    )
+from tests.policies.views import KV, w
 
 
 def turn(

@@ -13,23 +13,14 @@ from policies import (
     Objectives,
     Outcome,
     Residency,
-    Role,
     Turn,
-    WorkerView,
     create_policy,
 )
 from policies.adaptive import AdaptivePolicy
 from policies.adaptive_ledgers import KV_CROWDED_FROM, KV_FULL_MISSES, WorkLedger, kv_crowding
 from policies.adaptive_scoring import Scorer
 from policies.estimates import Estimates, PrefillLeg
-
-KV = 131072
-
-
-def w(worker_id: str, role: Role = "mixed", **fields: object) -> WorkerView:
-    return msgspec.convert(
-        {"worker_id": worker_id, "role": role, "healthy": True, **fields}, WorkerView
-    )
+from tests.policies.views import KV, w
 
 
 def turn(prompt: int, uncached: int, request: str, session: str = "s") -> Turn:
