@@ -95,25 +95,10 @@ class CostModel:
 
         Every call draws the next noise sample, so a caller must make one call per step.
         """
-        # time_from_totals, inlined: this runs once per engine step.
-        tokens = decode_tokens + prefill_tokens
-        if tokens == 0:
-            t = 0.0
-        else:
-            flops = self._flops_per_token * tokens + self._attn_flops_per_pair * (
-                decode_context_sum + prefill_attention_pairs
-            )
-            nbytes = self._weight_bytes + self._kv_bytes * (
-                decode_context_sum + prefill_context_sum + tokens
-            )
-            compute_s = flops / self._flop_rate
-            memory_s = nbytes / self._byte_rate
-            t = (
-                self.step_overhead_s
-                + (compute_s if compute_s > memory_s else memory_s)
-                + self._ar_fixed_s
-                + self._ar_per_token_s * tokens
-            )
+        t = self.time_from_totals(
+            decode_tokens, decode_context_sum, prefill_tokens, prefill_context_sum,
+            prefill_attention_pairs,
+        )  # fmt: skip
         if self.noise_sigma > 0.0:
             t *= exp(self._gauss(0.0, self.noise_sigma))
         return t
@@ -126,7 +111,7 @@ class CostModel:
         prefill_context_sum: float,
         prefill_attention_pairs: float,
     ) -> float:
-        """Noise-free step time from batch totals (`sample_step_time` inlines it).
+        """Noise-free step time from batch totals.
 
         `prefill_attention_pairs` is the sum over chunks of new x (context_before + new / 2).
         """

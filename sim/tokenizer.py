@@ -10,37 +10,33 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
-from functools import lru_cache
 from typing import Any
 
 ID_MASK = 0x7FFFFFFF
 ASSISTANT_TAG = "<|assistant|>"
 
 
-@lru_cache(maxsize=65536)
-def token_id(word: str) -> int:
-    return zlib.crc32(word.encode("utf-8")) & ID_MASK
-
-
-_ID_OF: dict[str, int] = {}  # word -> id of every word tokenized so far (bounded below)
+_ID_OF: dict[str, int] = {}  # word -> id of every word seen so far (bounded below)
 _ID_OF_MAX = 1 << 20
+
+
+def token_id(word: str) -> int:
+    known = _ID_OF.get(word)
+    if known is None:
+        if len(_ID_OF) > _ID_OF_MAX:
+            _ID_OF.clear()
+        known = _ID_OF[word] = zlib.crc32(word.encode("utf-8")) & ID_MASK
+    return known
 
 
 def tokenize(text: str) -> list[int]:
     # A C-level dict pass over the words: a long prompt's admission must not stall every
-    # stream on the worker's event loop (crc32 per word through lru_cache costs 3x more).
+    # stream on the worker's event loop; only words not seen before are hashed.
     words = text.split()
     ids: list[int | None] = list(map(_ID_OF.get, words))
     if None not in ids:
         return ids  # type: ignore[return-value]  # every word was known
-    if len(_ID_OF) > _ID_OF_MAX:
-        _ID_OF.clear()
-    out: list[int] = []
-    for known, word in zip(ids, words, strict=True):
-        if known is None:
-            known = _ID_OF[word] = zlib.crc32(word.encode("utf-8")) & ID_MASK
-        out.append(known)
-    return out
+    return [token_id(w) if i is None else i for i, w in zip(ids, words, strict=True)]
 
 
 def count_tokens(text: str) -> int:
