@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import signal
 import socket
 import sys
@@ -68,21 +69,37 @@ def policy_params(policy: str, given: dict[str, str], cluster: ClusterSpec) -> d
 
 
 def free_port_block(host: str, count: int) -> int:
-    """The first of `count` consecutive ports that are free on `host` right now."""
-    for _ in range(200):
-        with socket.socket() as probe:
-            probe.bind((host, 0))
-            base: int = probe.getsockname()[1]
-        if base + count >= 65000:
-            continue
-        try:
-            for offset in range(1, count):
-                with socket.socket() as other:
-                    other.bind((host, base + offset))
-        except OSError:
-            continue
-        return base
+    """The first of `count` consecutive ports that are free on `host` right now.
+
+    Chosen below the kernel's ephemeral range: a port in that range that is free now can be
+    taken by any outgoing connection before our child binds it.
+    """
+    ephemeral_low = _ephemeral_range()[0]
+    rng = random.Random()
+    for _ in range(500):
+        base = rng.randrange(10_000, max(10_001, ephemeral_low - count))
+        if _all_bindable(host, range(base, base + count)):
+            return base
     raise RuntimeError(f"no block of {count} free ports on {host}")
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32_768, 60_999
+
+
+def _all_bindable(host: str, ports: range) -> bool:
+    try:
+        for port in ports:
+            with socket.socket() as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind((host, port))
+    except OSError:
+        return False
+    return True
 
 
 class _Child:

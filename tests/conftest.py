@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Iterator
 
 import pytest
 
+from bench.up import free_port_block
 from router.embedded_redis import EmbeddedRedis
 
 
@@ -23,10 +23,8 @@ def redis_url() -> Iterator[str]:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A port for a child process to listen on, outside the range outgoing connections use."""
+    return free_port_block("127.0.0.1", 1)
 
 
 @pytest.fixture

@@ -31,7 +31,8 @@ class Process:
         )
 
     def output(self) -> str:
-        self._log_file.flush()
+        if not self._log_file.closed:
+            self._log_file.flush()
         return self.log.read_text(errors="replace")
 
     def wait_healthy(self, urls: Sequence[str], timeout_s: float = 30.0) -> None:
@@ -39,7 +40,9 @@ class Process:
         pending = list(urls)
         while pending:
             if self.popen.poll() is not None:
-                raise RuntimeError(f"{self.args} exited early:\n{self.output()}")
+                output = self.output()
+                self.stop()
+                raise RuntimeError(f"{self.args} exited early:\n{output}")
             try:
                 with urllib.request.urlopen(pending[0] + "/health", timeout=1) as response:
                     if response.status == 200:
@@ -48,8 +51,9 @@ class Process:
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             if time.monotonic() > deadline:
+                output = self.output()
                 self.stop()
-                raise RuntimeError(f"{pending[0]} not healthy in {timeout_s}s:\n{self.output()}")
+                raise RuntimeError(f"{pending[0]} not healthy in {timeout_s}s:\n{output}")
             time.sleep(0.05)
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> int:
@@ -60,5 +64,6 @@ class Process:
             except subprocess.TimeoutExpired:
                 self.popen.kill()
                 self.popen.wait()
-        self._log_file.close()
+        if not self._log_file.closed:
+            self._log_file.close()
         return self.popen.returncode

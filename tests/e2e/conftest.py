@@ -8,25 +8,13 @@ from dataclasses import dataclass
 
 import pytest
 
+from bench.up import free_port_block as bench_free_port_block
 from tests.conftest import free_port
 from tests.procs import Process
 
 
 def free_port_block(count: int) -> int:
-    import socket
-
-    for _ in range(200):
-        base = free_port()
-        if base + count >= 65000:
-            continue
-        try:
-            for offset in range(count):
-                with socket.socket() as probe:
-                    probe.bind(("127.0.0.1", base + offset))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no block of free ports")
+    return bench_free_port_block("127.0.0.1", count)
 
 
 @dataclass

@@ -11,9 +11,9 @@ import aiohttp
 import openai
 import pytest
 
+from bench.up import free_port_block
 from sim.presets import deployment_from_names
 from sim.roofline import CostModel
-from tests.conftest import free_port
 from tests.procs import Process
 
 MODEL = "llama-3.1-8b"
@@ -25,9 +25,7 @@ def words(n: int, salt: str = "w") -> str:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[list[str]]:
-    base = free_port()
-    while any(free_port() == base + i for i in range(1, 4)):
-        base = free_port()
+    base = free_port_block("127.0.0.1", 3)
     proc = Process(
         ["sim-cluster", "--base-port", str(base), "--workers", "3", "--noise", "0",
          "--nic-gbps", "40"]
