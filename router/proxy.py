@@ -112,7 +112,8 @@ class TurnPipeline:
             raise
         finally:
             events.done = self._clock.now()
-            self._finish(ctx, events)
+            # after the reply has gone out: a plain reply is written when this returns
+            asyncio.get_running_loop().call_soon(self._finish, ctx, events)
 
     async def _admit(
         self,

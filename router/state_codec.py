@@ -10,17 +10,16 @@ import msgspec
 from router.state_records import LinkState, SessionRecord, WorkerRecord
 
 
-class Invalidation(msgspec.Struct, frozen=True):
-    """What the session CAS script publishes after every successful write."""
+class SessionChange(msgspec.Struct, frozen=True, array_like=True):
+    """One session record as a successful write left it, in an invalidation message."""
 
     session_id: str
     epoch: int
     owner: str
-    replica: str
-    tokens: int = 0
-    bytes: int = 0
-    turns: int = 0
-    last_seen: float = 0.0
+    tokens: int
+    bytes: int
+    turns: int
+    last_seen: float
 
     def record(self) -> SessionRecord | None:
         if not self.owner:
@@ -34,6 +33,13 @@ class Invalidation(msgspec.Struct, frozen=True):
             epoch=self.epoch,
             last_seen=self.last_seen,
         )
+
+
+class Invalidation(msgspec.Struct, frozen=True, array_like=True):
+    """What one session CAS batch publishes: the writing replica and every record it changed."""
+
+    replica: str
+    changes: list[SessionChange]
 
 
 invalidation_decoder = msgspec.msgpack.Decoder(Invalidation)

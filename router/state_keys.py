@@ -38,7 +38,9 @@ class Keys:
         self.workers_index = f"{prefix}:index:workers"
         self.replicas_index = f"{prefix}:index:replicas"
         self.links_index = f"{prefix}:index:links"
-        self.channel = f"{prefix}:invalidate"
+        # a new name whenever the message format changes, so that replicas of two versions
+        # during a rolling upgrade never misread each other (they only miss each other's)
+        self.channel = f"{prefix}:invalidations"
 
     def session(self, session_id: str) -> str:
         return self.session_prefix + session_id

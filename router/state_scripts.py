@@ -53,12 +53,15 @@ end
 # then a msgpack array of writes, each [session id, expected epoch, epoch increment, turns
 # increment, owner ('' clears the residency), tokens, bytes, write id]. Reply: a msgpack array
 # of [ok, owner, tokens, bytes, turns, epoch, last_seen], the stored record after each write.
+# The writes that changed a record go out as ONE invalidation message per call, [replica,
+# [[session id, epoch, owner, tokens, bytes, turns, last_seen], ...]]: a subscriber pays its
+# client library's per-message cost once per batch, not once per turn.
 SESSION_CAS_BATCH = """
 local prefix, ttl, channel, replica = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local writes = cmsgpack.unpack(ARGV[5])
 local t = redis.call('TIME')
 local now = t[1] .. '.' .. string.format('%06d', tonumber(t[2]))
-local out = {}
+local out, changed = {}, {}
 for i = 1, #writes do
   local w = writes[i]
   local sid, expected, owner_new, tokens, nbytes, write_id = w[1], w[2], w[5], w[6], w[7], w[8]
@@ -82,11 +85,12 @@ for i = 1, #writes do
     redis.call('HSET', key, 'owner', owner_new, 'tokens', tokens, 'bytes', nbytes, 'turns',
                turns, 'epoch', new_epoch, 'last_seen', now, 'write_id', write_id)
     redis.call('PEXPIRE', key, ttl)
-    redis.call('PUBLISH', channel, cmsgpack.pack({
-      session_id = sid, epoch = new_epoch, owner = owner_new, replica = replica,
-      tokens = tokens, bytes = nbytes, turns = turns, last_seen = tonumber(now)}))
+    changed[#changed + 1] = {sid, new_epoch, owner_new, tokens, nbytes, turns, tonumber(now)}
     out[i] = {1, owner_new, tokens, nbytes, turns, new_epoch, now}
   end
+end
+if #changed > 0 then
+  redis.call('PUBLISH', channel, cmsgpack.pack({replica, changed}))
 end
 return cmsgpack.pack(out)
 """

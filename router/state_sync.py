@@ -210,7 +210,8 @@ class StateSync:
             log.warning("undecodable session invalidation ignored")
             return
         if message.replica != self._config.replica_id:
-            self._sessions.apply_invalidation(message.session_id, message.epoch, message.record())
+            for change in message.changes:
+                self._sessions.apply_invalidation(change.session_id, change.epoch, change.record())
 
     async def _refresh_loop(self) -> None:
         while not self._closing:
