@@ -196,6 +196,8 @@ async def _compare_main(args: argparse.Namespace, stop: asyncio.Event) -> int:
             api=args.api,
             policy_params=_params_by_policy(args.policy_param),
             seed=args.seed,
+            find_max_goodput=args.find_max_goodput,
+            goodput_tolerance=args.goodput_tolerance,
         )
         out = Path(args.out)
         plan(spec, out)  # every name and parameter checked before anything starts
@@ -288,7 +290,12 @@ def register_bench(bench: Any) -> None:
     add("--cluster", default="4xh200-sxm/llama-3.1-8b", metavar="NxGPU/MODEL")
     add("--prefill-workers", type=int, default=None, metavar="K",
         help="prefill workers for split policies (default: a quarter, at least 1)")  # fmt: skip
-    add("--rate-scale", type=float, default=1.0, help="arrival rate multiplier")
+    add("--rate-scale", type=float, default=1.0,
+        help="arrival rate multiplier (--find-max-goodput: where its search starts)")  # fmt: skip
+    add("--find-max-goodput", action="store_true",
+        help="search each policy's highest rate with >= 90%% good (fresh stacks)")  # fmt: skip
+    add("--goodput-tolerance", type=float, default=0.1,
+        help="stop the search when the bracket is narrower than this ratio")  # fmt: skip
     add("--limit", type=int, default=None, help="replay only the first N turns")
     add("--first-token", choices=["decode", "prefill"], default="decode")
     add("--policy-param", action="append", default=[], metavar="POLICY:KEY=VALUE")

@@ -9,6 +9,11 @@ quarter of the cluster, at least one), then decode workers. Policies with hardwa
 (adaptive's gpu/model/tp) are given the cluster's. Every name and parameter is checked before
 anything starts, so a typo fails fast with the policy registry's message.
 
+With `find_max_goodput`, each policy gets the simulator's search instead of one run
+(`bench.des.goodput`: exponential bracketing from `rate_scale`, then bisection), every probe a
+fresh stack; `max_goodput_rps` on that policy's runs is the trace slice's turns per second at
+scale 1 times the highest passing scale.
+
 Files under `out_dir`: the run outputs (`bench.outputs`) for all policies together, and
 `logs/<policy>/` with the router's and workers' logs and the router's events file.
 """
@@ -22,6 +27,7 @@ from pathlib import Path
 import msgspec
 from rich.table import Table
 
+from bench.des.goodput import GoodputSearch, goodput_search
 from bench.layout import ClusterSpec, worker_roles
 from bench.metrics import (
     FirstTokenConvention,
@@ -41,6 +47,7 @@ from bench.replay import (
 )
 from bench.replay_stream import Api, LagProbe
 from bench.report import run_label
+from bench.simulate import GOODPUT_TARGET
 from bench.traces import Trace
 from bench.up import LocalStack, StackSpec, policy_params
 from policies.types import Role
@@ -63,12 +70,16 @@ class CompareSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     policy_params: dict[str, dict[str, str]] = {}
     seed: int = 0
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
+    find_max_goodput: bool = False
+    goodput_tolerance: float = 0.1
 
     def __post_init__(self) -> None:
         if not self.policies or len(set(self.policies)) != len(self.policies):
             raise ValueError("policies must be non-empty, without repeats")
         if not self.rate_scale > 0:
             raise ValueError("rate_scale must be > 0")
+        if not self.goodput_tolerance > 0:
+            raise ValueError("goodput_tolerance must be > 0")
 
 
 class ComparedRun(msgspec.Struct, frozen=True):
@@ -161,13 +172,24 @@ async def compare(
 ) -> Summary:
     """Replay `trace` once per policy (see the module docstring) and write one report."""
     stacks = plan(spec, out_dir)
+    sliced = trace.slice(spec.limit) if spec.limit is not None else trace
+    if spec.find_max_goodput and not sliced.duration_s > 0:
+        raise ValueError("--find-max-goodput scales arrival times: the trace's arrivals must "
+                         "span some time")  # fmt: skip
     runs: list[ComparedRun] = []
+    searches: dict[str, GoodputSearch] = {}
     for stack_spec in stacks:
         if stop is not None and stop.is_set():
             break
-        runs.append(await run_policy(trace, spec, stack_spec, progress, stop))
+        if not spec.find_max_goodput:
+            runs.append(await run_policy(trace, spec, stack_spec, progress, stop))
+            continue
+        probes, found = await _search(trace, spec, stack_spec, progress, stop)
+        runs += probes
+        if found is not None:
+            searches[stack_spec.policy] = found
+    runs = _with_max_goodput(runs, searches, sliced.num_turns / max(sliced.duration_s, 1e-9))
     summary = Summary([run.summary for run in runs])
-    sliced = trace.slice(spec.limit) if spec.limit is not None else trace
     notes = [
         f"trace {trace.name!r} ({trace.source or 'no source'}): {sliced.num_turns} turns of "
         f"{len(sliced.conversations)} sessions, replayed live at rate scale "
@@ -177,13 +199,65 @@ async def compare(
     ]
     for run in runs:
         notes += run.notes
-    skipped = [s.policy for s in stacks[len(runs) :]]
+    notes += [_search_note(policy, found) for policy, found in searches.items()]
+    skipped = [s.policy for s in stacks if s.policy not in {r.summary.policy for r in runs}]
     if skipped:
         notes.append(f"not run (stopped): {', '.join(skipped)}")
-    results = [r for run in runs for r in run.results]
+    summaries = [run.summary for run in runs]
+    results = [
+        msgspec.structs.replace(r, policy=run_label(run.summary, summaries))
+        for run in runs
+        for r in run.results
+    ]
     write_run_outputs(out_dir, summary, results, f"bench compare: {trace.name} on "
                       f"{spec.cluster}", notes)  # fmt: skip
     return summary
+
+
+async def _search(
+    trace: Trace, spec: CompareSpec, stack_spec: StackSpec, progress: bool,
+    stop: asyncio.Event | None,
+) -> tuple[list[ComparedRun], GoodputSearch | None]:  # fmt: skip
+    """One policy's max-goodput search, every probe a fresh stack; None when stopped."""
+    search = goodput_search(GOODPUT_TARGET, start=spec.rate_scale,
+                            tolerance=spec.goodput_tolerance)  # fmt: skip
+    probes: list[ComparedRun] = []
+    scale = next(search)
+    while True:
+        if stop is not None and stop.is_set():
+            search.close()
+            return probes, None
+        probe = await run_policy(trace, msgspec.structs.replace(spec, rate_scale=scale),
+                                 stack_spec, progress, stop)  # fmt: skip
+        probes.append(probe)
+        try:
+            scale = search.send(probe.summary.slo_attainment)
+        except StopIteration as done:
+            return probes, done.value
+
+
+def _with_max_goodput(
+    runs: list[ComparedRun], searches: dict[str, GoodputSearch], base_rps: float
+) -> list[ComparedRun]:
+    out = []
+    for run in runs:
+        found = searches.get(run.summary.policy)
+        if found is not None and found.best_scale is not None:
+            rps = found.best_scale * base_rps
+            summary = msgspec.structs.replace(run.summary, max_goodput_rps=rps)
+            run = ComparedRun(summary, run.results, run.notes)
+        out.append(run)
+    return out
+
+
+def _search_note(policy: str, found: GoodputSearch) -> str:
+    probes = ", ".join(f"{p.rate_scale:.4g}x {p.attainment:.1%}" for p in found.probes)
+    best = "none" if found.best_scale is None else f"{found.best_scale:.4g}x"
+    above = "none" if found.failing_scale is None else f"{found.failing_scale:.4g}x"
+    return (
+        f"max goodput search for {policy} (target {GOODPUT_TARGET:.0%} good), live: "
+        f"highest passing scale {best}, lowest failing above it {above}; probes: {probes}"
+    )
 
 
 def comparison_table(summary: Summary, title: str = "bench compare") -> Table:
@@ -215,6 +289,8 @@ def comparison_table(summary: Summary, title: str = "bench compare") -> Table:
         ("transferred GiB", [f"{r.transferred_bytes / 2**30:.2f}" for r in runs]),
         ("exposed xfer p99 ms", [ms(r.exposed_transfer_ms.p99) for r in runs]),
     ]
+    if any(r.max_goodput_rps is not None for r in runs):
+        rows.insert(6, ("max goodput req/s", [ms(r.max_goodput_rps) for r in runs]))
     for name, cells in rows:
         table.add_row(name, *cells)
     return table

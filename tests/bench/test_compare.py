@@ -81,6 +81,10 @@ def test_command_line_rejects_bad_input_before_starting_anything(tmp_path: Path)
         main(["bench", "compare", str(trace), "--policies", "threshold",
               "--policy-param", "threshold:nope=5", "--out", str(out)])  # fmt: skip
     assert "policy 'threshold': unknown parameter 'nope'" in str(raised.value)
+    with pytest.raises(SystemExit) as raised:
+        main(["bench", "compare", str(trace), "--find-max-goodput", "--goodput-tolerance", "0",
+              "--out", str(out)])  # fmt: skip
+    assert "goodput_tolerance must be > 0" in str(raised.value)
     assert not out.exists()
 
 
@@ -147,3 +151,59 @@ async def test_a_stop_before_the_first_policy_still_writes_a_report(tmp_path: Pa
     md = (tmp_path / "report.md").read_text()
     assert "- not run (stopped): colocate, disaggregate" in md
     assert "No runs were recorded." in md
+
+
+async def test_max_goodput_search_probes_fresh_runs_until_the_bracket_closes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The live search's wiring: probes at the scales the search asks for, each probe's runs
+    labelled by its scale, `max_goodput_rps` from the slice's arrival rate."""
+    import asyncio
+
+    import bench.compare as compare_module
+    from bench.compare import ComparedRun
+    from bench.metrics import RequestResult, summarise
+    from bench.traces import Trace
+    from bench.up import StackSpec
+
+    capacity = {"colocate": 3.0, "disaggregate": 1.5}  # the scale each policy just sustains
+    probed: list[tuple[str, float]] = []
+
+    async def fake_run(
+        trace: Trace, spec: CompareSpec, stack: StackSpec, progress: bool,
+        stop: asyncio.Event | None,
+    ) -> ComparedRun:  # fmt: skip
+        probed.append((stack.policy, spec.rate_scale))
+        late = spec.rate_scale > capacity[stack.policy]
+        results = [
+            RequestResult(request_id=f"r{i}", session_id=f"s{i}", turn_index=0, klass="k",
+                          policy=stack.policy, sent_at=float(i),
+                          first_chunk_at=i + (60.0 if late else 0.1),
+                          chunk_times=[i + 0.2], done_at=i + 61.0, status="completed",
+                          http_status=200, prompt_tokens=100, completion_tokens=2)
+            for i in range(10)
+        ]  # fmt: skip
+        summary = summarise(results, stack.policy, spec.rate_scale, 10.0, "decode")
+        return ComparedRun(summary, results, ())
+
+    monkeypatch.setattr(compare_module, "run_policy", fake_run)
+    trace = generate_matrix(TINY)
+    spec = CompareSpec(policies=("colocate", "disaggregate"), cluster=TWO_GPUS,
+                       find_max_goodput=True, goodput_tolerance=0.1)  # fmt: skip
+    summary = await compare(trace, spec, tmp_path)
+
+    scales = {p: [s for q, s in probed if q == p] for p in capacity}
+    assert scales["colocate"][:3] == [1.0, 2.0, 4.0]  # doubling until a probe fails
+    assert scales["disaggregate"][:2] == [1.0, 2.0]
+    base_rps = trace.num_turns / trace.duration_s
+    for policy, cap in capacity.items():
+        runs = [r for r in summary.runs if r.policy == policy]
+        assert len(runs) == len(scales[policy])
+        best = max(s for s in scales[policy] if s <= cap)
+        assert all(r.max_goodput_rps == pytest.approx(best * base_rps) for r in runs)
+        assert cap / best <= 1.1  # bisected to the tolerance
+        assert min(s for s in scales[policy] if s > cap) / best <= 1.1
+    labels = {r.policy for r in read_requests(tmp_path / "requests.jsonl")}
+    assert "colocate@4x" in labels and "disaggregate@1x" in labels
+    md = (tmp_path / "report.md").read_text()
+    assert "max goodput search for colocate (target 90% good), live: highest passing" in md
