@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import time
 import urllib.request
 from pathlib import Path
 
+from bench.up import free_port_block
+
 
 def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
+    """A port for a child process to listen on, outside the ephemeral range."""
+    return free_port_block("127.0.0.1", 1)
 
 
 def wait_healthy(url: str, timeout_s: float = 30.0) -> None:

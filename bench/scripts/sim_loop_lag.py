@@ -11,22 +11,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
 import subprocess
 import sys
 import time
 
 import aiohttp
 
-
-def _free_base_port(count: int) -> int:
-    for _ in range(100):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base: int = probe.getsockname()[1]
-        if base + count < 65000:
-            return base
-    raise RuntimeError("no free ports")
+from bench.up import free_port_block
 
 
 async def _stream_forever(session: aiohttp.ClientSession, url: str, stop: float, seq: int) -> int:
@@ -84,7 +75,7 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--seconds", type=float, default=20.0)
     args = parser.parse_args()
-    base = _free_base_port(args.workers)
+    base = free_port_block("127.0.0.1", args.workers)
     proc = subprocess.Popen(
         [sys.executable, "-m", "session_router_cli", "sim-cluster", "--base-port", str(base),
          "--workers", str(args.workers)],
