@@ -78,7 +78,7 @@ class StreamRelay:
 
     async def run(self, upstream: UpstreamResponse) -> RelayResult:
         result = self.result
-        pending = b""
+        pending = final = b""
         try:
             async for data in upstream:
                 pending += data
@@ -86,14 +86,18 @@ class StreamRelay:
                     continue
                 *frames, pending = pending.split(_SEP)
                 out = self._filter(frames)
-                if out:
+                if result.completed:
+                    final += out  # sent with the stream's end, in one write
+                elif out:
                     await self._downstream.write(out)
         except (UpstreamError, TimeoutError) as exc:
             result.error = f"worker stream failed: {exc or type(exc).__name__}"
-        if not result.completed and result.error is None:
+        if result.completed:
+            await self._downstream.end(final)
+            return result
+        if result.error is None:
             result.error = "worker closed the stream before it finished"
-        if result.error is not None and not result.completed:
-            await self._downstream.write(stream_error_frames(502, result.error))
+        await self._downstream.write(stream_error_frames(502, result.error))
         return result
 
     def _filter(self, frames: list[bytes]) -> bytes:

@@ -24,12 +24,19 @@ _CLOSE = b"Connection: close\r\n"
 _KEEP_ALIVE = b"Connection: keep-alive\r\n"
 _LINGER_S = 2.0  # after an error reply, how long the rest of a refused request is discarded
 _CLOSE_FLUSH_S = 1.0  # at close(), how long a closing connection may take to flush
+HEAD_HOLD_S = 0.02  # how long a stream's head waits for its first chunk
 
 
 class StreamWriter:
-    """Streams one response as HTTP chunks (close-delimited for HTTP/1.0 clients)."""
+    """Streams one response as HTTP chunks (close-delimited for HTTP/1.0 clients).
 
-    __slots__ = ("_conn", "_head_only", "chunked", "ended", "keep_alive", "started")
+    The status line and headers wait for the first chunk, up to the server's `head_hold_s`, so
+    that a stream whose first token is ready at once costs the client one wake-up (and the
+    router one send) instead of two; a stream whose first token is late shows its head early.
+    """
+
+    __slots__ = ("_conn", "_head_only", "_held", "_hold_timer", "chunked", "ended", "keep_alive",
+                 "started")  # fmt: skip
 
     def __init__(self, conn: _Connection, request: Request) -> None:
         self._conn = conn
@@ -38,6 +45,8 @@ class StreamWriter:
         self.keep_alive = request.keep_alive and self.chunked
         self.started = False
         self.ended = False
+        self._held = b""
+        self._hold_timer: asyncio.TimerHandle | None = None
 
     async def start(self, status: int, headers: Mapping[str, str]) -> None:
         if self.started:
@@ -47,10 +56,9 @@ class StreamWriter:
             raise ConnectionResetError("client disconnected")
         self.keep_alive &= not conn.shutting_down
         tail = (_CHUNKED if self.chunked else b"") + (b"" if self.keep_alive else _CLOSE)
-        head = wire.response_head(status, headers, None, tail)
+        self._held = wire.response_head(status, headers, None, tail)
         self.started = True
-        conn.transport.write(head)
-        await conn.drain()
+        self._hold_timer = conn._loop.call_later(conn._server.head_hold_s, self._release_head)
 
     async def write(self, data: bytes) -> None:
         """Send one chunk; waits while the client reads slower than the handler writes."""
@@ -60,18 +68,40 @@ class StreamWriter:
         if conn.closed:
             raise ConnectionResetError("client disconnected")
         if data and not self._head_only:  # an empty chunk would end the stream
-            conn.transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
+            self._send(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
+        elif self._held:
+            self._send(b"")
         if conn.write_paused:
             await conn.drain()
 
-    async def end(self) -> None:
+    async def end(self, last: bytes = b"") -> None:
+        """End the stream, with `last` as its final chunk (one send for both)."""
         if not self.started:
             raise RuntimeError("end() before start()")
         if not self.ended:
             self.ended = True
-            if self.chunked and not self._head_only and not self._conn.closed:
-                self._conn.transport.write(b"0\r\n\r\n")
+            if not self._conn.closed:
+                out = b""
+                if last and not self._head_only:
+                    out = b"%x\r\n%b\r\n" % (len(last), last) if self.chunked else last
+                if self.chunked and not self._head_only:
+                    out += b"0\r\n\r\n"
+                self._send(out)
             await self._conn.drain()  # raises ConnectionResetError once the client is gone
+
+    def _send(self, data: bytes) -> None:
+        if self._held:
+            data, self._held = self._held + data, b""
+            if self._hold_timer is not None:
+                self._hold_timer.cancel()
+                self._hold_timer = None
+        if data:
+            self._conn.transport.write(data)
+
+    def _release_head(self) -> None:
+        self._hold_timer = None
+        if self._held and not self._conn.closed:
+            self._send(b"")
 
 
 Handler = Callable[[Request, StreamWriter], Awaitable[Response | None]]
@@ -305,10 +335,12 @@ class HttpServer:
         *,
         max_body_bytes: int = 32 * 2**20,
         keepalive_timeout_s: float = 75.0,
+        head_hold_s: float = HEAD_HOLD_S,
     ) -> None:
         self.handler = handler
         self.max_body_bytes = max_body_bytes
         self.keepalive_timeout_s = keepalive_timeout_s
+        self.head_hold_s = head_hold_s
         self.connections: set[_Connection] = set()
         self.closing = False
         self._server: asyncio.Server | None = None

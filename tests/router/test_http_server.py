@@ -302,6 +302,38 @@ async def test_streams_are_framed_for_the_client_version(serve: Serve, version: 
         assert (reply.chunks, reply.headers["connection"]) == (0, "close")
 
 
+@pytest.mark.parametrize(
+    ("hold_s", "first_chunk_after_s", "head_alone_first"),
+    [(5.0, 0.1, False), (0.05, 0.5, True)], ids=["first-chunk-within-hold", "first-chunk-late"],
+)  # fmt: skip
+async def test_stream_head_waits_briefly_for_the_first_chunk(
+    serve: Serve, hold_s: float, first_chunk_after_s: float, head_alone_first: bool
+) -> None:
+    """A first chunk ready within the hold leaves in the head's send; a late one does not hold
+    the head back. The last chunk and the terminator leave in one send."""
+    finish = asyncio.Event()
+
+    async def stream(request: Request, writer: StreamWriter) -> None:
+        await writer.start(200, {"Content-Type": "text/event-stream"})
+        await asyncio.sleep(first_chunk_after_s)
+        await writer.write(b"data: 1\n\n")
+        await finish.wait()
+        await writer.end(b"data: [DONE]\n\n")
+        return None
+
+    _, client = await serve(stream, head_hold_s=hold_s)
+    client.send(GET)
+    first = await asyncio.wait_for(client.reader.read(65536), 5.0)
+    assert first.startswith(b"HTTP/1.1 200 ")
+    assert (b"data: 1" not in first) is head_alone_first
+    if head_alone_first:
+        first += await asyncio.wait_for(client.reader.read(65536), 5.0)
+    assert first.endswith(b"\r\n\r\n9\r\ndata: 1\n\n\r\n")
+    finish.set()
+    last = await asyncio.wait_for(client.reader.read(65536), 5.0)
+    assert last == b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n"
+
+
 @pytest.mark.parametrize("streaming", [True, False], ids=["mid-stream", "before-response"])
 async def test_client_disconnect_cancels_the_handler_at_once(serve: Serve, streaming: bool) -> None:
     started, cancelled_at = asyncio.Event(), asyncio.get_running_loop().create_future()
