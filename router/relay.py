@@ -78,22 +78,23 @@ class StreamRelay:
 
     async def run(self, upstream: UpstreamResponse) -> RelayResult:
         result = self.result
-        pending = final = b""
+        pending = b""
         try:
             async for data in upstream:
+                if result.completed:
+                    continue  # read to the end, so that the connection can be reused
                 pending += data
                 if _SEP not in pending:
                     continue
                 *frames, pending = pending.split(_SEP)
                 out = self._filter(frames)
                 if result.completed:
-                    final += out  # sent with the stream's end, in one write
+                    await self._downstream.end(out)  # the last frames and the end: one send
                 elif out:
                     await self._downstream.write(out)
         except (UpstreamError, TimeoutError) as exc:
             result.error = f"worker stream failed: {exc or type(exc).__name__}"
         if result.completed:
-            await self._downstream.end(final)
             return result
         if result.error is None:
             result.error = "worker closed the stream before it finished"
