@@ -79,16 +79,18 @@ class StreamRelay:
     async def run(self, upstream: UpstreamResponse) -> RelayResult:
         result = self.result
         pending = b""
+        draining = False  # past [DONE]: read to the end, so that the connection can be reused
         try:
             async for data in upstream:
-                if result.completed:
-                    continue  # read to the end, so that the connection can be reused
+                if draining:
+                    continue
                 pending += data
                 if _SEP not in pending:
                     continue
                 *frames, pending = pending.split(_SEP)
                 out = self._filter(frames)
                 if result.completed:
+                    draining = True
                     await self._downstream.end(out)  # the last frames and the end: one send
                 elif out:
                     await self._downstream.write(out)
