@@ -211,6 +211,20 @@ class Engine:
             decode_tokens, decode_sum, prefill_tokens, prefill_sum, pairs
         )
 
+    def steady_decode(self) -> bool:
+        """Whether the frozen step decodes one token of every running request (prompts all
+        answered), nothing waits and no EOS can be drawn: the steps that follow then have the
+        same batch until a request finishes or arrives, or a block runs out (`sim.decode_run`).
+        """
+        batch, running = self._batch, self._running
+        if batch is None or self._waiting or len(batch) != len(running):
+            return False
+        if self.last_step_tokens != len(batch):  # a prefill among them
+            return False
+        if self.config.eos_probability > 0.0 and not all(s.request.ignore_eos for s in running):
+            return False
+        return all(s.first_token_time >= 0.0 for s in running)
+
     def finish_step(self) -> list[StepOutput]:
         """Apply the frozen step at clock.now(): write KV, sample tokens, finish requests."""
         batch = self._batch

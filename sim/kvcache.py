@@ -236,17 +236,17 @@ class BlockManager:
         release, queue = self._free.append, queued.append
         try:
             for b in reversed(block_ids):
-                m = meta[b] - 1
-                if m > 0:
-                    meta[b] = m
-                elif m < 0:
-                    raise RuntimeError(f"block {b} freed more often than referenced")
-                elif run_of[b] is None:
-                    meta[b] = 0
-                    release(b)
-                else:
+                m = meta[b]
+                if m == 1 and run_of[b] is not None:  # the usual case first
                     meta[b] = mark
                     queue(b)
+                elif m > 1:
+                    meta[b] = m - 1
+                elif m < 1:
+                    raise RuntimeError(f"block {b} freed more often than referenced")
+                else:
+                    meta[b] = 0
+                    release(b)
         finally:
             self._lru += queued
             self._lru_marks += [mark] * len(queued)

@@ -6,6 +6,11 @@ at that time `finish_step` applies it and the next step begins. When the next st
 engine would end before any other pending event, it runs at once without a round trip through
 the heap (nothing else can happen in between, so the result is identical and cheaper). Token
 outputs are delivered to their `Leg` as chunk timestamps in a list, never as events.
+
+An engine in steady decode runs a `sim.decode_run.DecodeRun` instead: its steps up to the next
+change are drawn at once and one event is scheduled at the last one's end. Whoever reads or
+changes the engine in between goes through `engine(i)`, which first applies the steps that
+have ended by now, and a request sent there ends the run after the step in flight.
 """
 
 from __future__ import annotations
@@ -17,12 +22,17 @@ from typing import Any
 
 from bench.des.config import SimConfig
 from bench.des.loop import EventLoop
+from sim.decode_run import DecodeRun
 from sim.engine import Engine, EngineConfig, EngineRequest, RequestStats, StepOutput
 from sim.links import Fabric
 from sim.presets import deployment_from_names
 
 # on_finish(leg, finish_reason, stats, now)
 FinishCallback = Callable[["Leg", str, RequestStats, float], None]
+
+# The most steps one decode run plans ahead: a request that arrives ends the run early, and
+# the end times computed past it are wasted (its noise draws are handed back).
+MAX_RUN_STEPS = 256
 
 
 class Leg:
@@ -46,7 +56,7 @@ class Leg:
 
 
 class SimWorker:
-    __slots__ = ("busy", "engine", "index", "role", "wake_at", "worker_id")
+    __slots__ = ("busy", "engine", "index", "role", "run", "wake_at", "worker_id")
 
     def __init__(self, index: int, worker_id: str, role: str, engine: Engine) -> None:
         self.index = index
@@ -55,6 +65,7 @@ class SimWorker:
         self.engine = engine
         self.busy = False  # a step is about to begin, in flight, or its end is being applied
         self.wake_at: float | None = None  # a pending wake-up for a held-block deadline
+        self.run: DecodeRun | None = None  # the steady decode in flight, if any
 
 
 class Cluster:
@@ -85,10 +96,12 @@ class Cluster:
         self.legs: dict[str, Leg] = {}
         self.steps = 0  # engine steps applied
         self.inline_steps = 0  # of which run without a heap round trip
+        self.stale_events = 0  # run ends of runs cut short: heap events that did nothing
         self._leg_ids = 0
         self._transfers: dict[int, tuple[Callable[[Any], None], Any]] = {}
         self._fabric_generation = 0
         self._step_end_event = self._step_end  # bound once: pushed for every step
+        self._run_end_event = self._run_end
 
     # -- requests ---------------------------------------------------------------------------
     def new_engine_id(self, request_id: str) -> str:
@@ -102,6 +115,8 @@ class Cluster:
         problem = engine.validate(len(request.prompt_token_ids), request.max_tokens)
         if problem is not None:
             return problem
+        if worker.run is not None:  # the next step admits it: the batch changes
+            self._cut_run(worker)
         leg.engine_id = request.request_id
         engine.add_request(request)
         self.legs[request.request_id] = leg
@@ -111,7 +126,7 @@ class Cluster:
     def held_tokens(self, worker: int, engine_id: str) -> int | None:
         """Tokens of KV a finished prefill leg still holds there; None once released/expired."""
         target = self.workers[worker]
-        engine = target.engine
+        engine = self.engine(worker)
         if engine.num_held and engine.expire_held():
             self.kick(target)  # expired holds freed blocks a waiting request may need
         held = engine.held_request(engine_id)
@@ -119,7 +134,7 @@ class Cluster:
 
     def release_held(self, worker: int, engine_id: str) -> None:
         target = self.workers[worker]
-        if target.engine.release_held(engine_id):
+        if self.engine(worker).release_held(engine_id):
             self.kick(target)  # freed blocks may admit a waiting request
 
     # -- engine steps -------------------------------------------------------------------------
@@ -144,7 +159,9 @@ class Cluster:
             worker.busy = False
             self._blocked(worker)
             return
-        self.loop.at(self.loop.clock.now() + duration, self._step_end_event, worker)
+        end = self.loop.clock.now() + duration
+        if not (engine.steady_decode() and self._start_run(worker, end)):
+            self.loop.at(end, self._step_end_event, worker)
 
     def _step_end(self, worker: SimWorker) -> None:
         engine = worker.engine
@@ -177,6 +194,8 @@ class Cluster:
             end = now + duration
             if loop.stopped:
                 break
+            if engine.steady_decode() and self._start_run(worker, end):
+                break
             if heap and heap[0][0] <= end:
                 loop.seq += 1  # loop.at without its checks: `end` is in the future
                 heappush(heap, (end, loop.seq, self._step_end_event, worker))
@@ -184,6 +203,68 @@ class Cluster:
             clock.t = now = end
         self.steps += steps
         self.inline_steps += steps - 1
+
+    # -- steady decode runs ---------------------------------------------------------------------
+    def engine(self, worker: int) -> Engine:
+        """The worker's engine as of now: the steps of its decode run that have ended applied."""
+        target = self.workers[worker]
+        run = target.run
+        if run is not None:
+            self._deliver(run, run.steps_by(self.loop.clock.t))
+        return target.engine
+
+    def _start_run(self, worker: SimWorker, first_end: float) -> bool:
+        """Run the steady step just begun and those after it as one `DecodeRun`, if worth it."""
+        loop = self.loop
+        run = None if loop.stopped else DecodeRun.plan(worker.engine, first_end, MAX_RUN_STEPS)
+        if run is None:
+            return False
+        worker.run = run
+        loop.seq += 1  # loop.at without its checks: the run ends in the future
+        heappush(loop.heap, (run.ends[-1], loop.seq, self._run_end_event, (worker, run)))
+        return True
+
+    def _run_end(self, event: tuple[SimWorker, DecodeRun]) -> None:
+        worker, run = event
+        if worker.run is not run:
+            self.stale_events += 1  # cut short: its last step ended as an ordinary one
+            return
+        self._deliver(run, run.steps - 1)
+        worker.run = None
+        self._step_end(worker)  # the last step finishes step by step
+
+    def _cut_run(self, worker: SimWorker) -> None:
+        """End the worker's run after the step in flight now, which ends as an ordinary one."""
+        run = worker.run
+        assert run is not None
+        self._deliver(run, run.steps_by(self.loop.clock.t))
+        worker.run = None
+        end = run.truncate()
+        loop = self.loop
+        if not loop.stopped:
+            loop.seq += 1
+            heappush(loop.heap, (end, loop.seq, self._step_end_event, worker))
+
+    def _deliver(self, run: DecodeRun, upto: int) -> None:
+        """Apply the run's steps up to `upto` and hand their tokens to the legs."""
+        done = run.advance(upto)
+        if done is None:
+            return
+        times, outputs = done
+        legs = self.legs
+        for request_id, token_ids in outputs:
+            leg = legs[request_id]
+            leg.chunks += times
+            if leg.tokens is not None:
+                leg.tokens += token_ids
+        self.steps += len(times)
+        self.inline_steps += len(times)
+
+    def settle(self) -> None:
+        """Apply every run's steps that have ended by now (for the step counts)."""
+        for worker in self.workers:
+            if worker.run is not None:
+                self.engine(worker.index)
 
     def _blocked(self, worker: SimWorker) -> None:
         """No step could start: wake at the next held-block deadline if work is waiting."""
@@ -233,5 +314,10 @@ class Cluster:
     # -- telemetry ------------------------------------------------------------------------------
     def load(self, worker: int) -> tuple[int, int, float]:
         """(running, waiting, KV usage) as the worker's /metrics would report them now."""
-        engine = self.workers[worker].engine
-        return engine.num_running, engine.num_waiting, engine.kv_usage
+        target = self.workers[worker]
+        engine, run = target.engine, target.run
+        if run is None:
+            return engine.num_running, engine.num_waiting, engine.kv_usage
+        # A run's batch holds until it ends: only its allocations change the gauges.
+        usage = run.kv_usage(run.steps_by(self.loop.clock.t))
+        return engine.num_running, engine.num_waiting, usage

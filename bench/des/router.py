@@ -238,7 +238,7 @@ class SimRouter:
     def _send_decode(self, leg: Leg) -> None:
         flight: Flight = leg.owner
         req = flight.req
-        engine = self._cluster.workers[leg.worker].engine
+        engine = self._cluster.engine(leg.worker)
         held = flight.held
         if held is None or engine.validate(len(req.prompt), req.max_tokens) is not None:
             self._submit(leg, req.max_tokens, 0, hold=False)  # a 400 ends the turn there

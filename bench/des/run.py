@@ -56,8 +56,9 @@ def _simulate(
         failure = error.failure
     if failure is None and not client.finished:
         raise RuntimeError("the simulation ran out of events with turns still unanswered")
+    cluster.settle()
     stats = SimStats(
-        events=loop.events + cluster.inline_steps,
+        events=loop.events - cluster.stale_events + cluster.inline_steps,
         steps=cluster.steps,
         inline_steps=cluster.inline_steps,
         cpu_s=time.process_time() - started,

@@ -1,10 +1,12 @@
 """How fast the discrete-event simulator replays a whole trace, in requests per CPU second.
 
 Loads the trace (timed apart), simulates it once for one policy and prints requests and events
-per CPU second of the simulation, how many engine steps ran, and how much of the CPU time the
-engine itself took (`Engine.begin_step` + `finish_step`, timed around each call, so that
-share is slightly overstated). With `--profile FILE` the run is profiled with cProfile and the
-top functions by own time are printed. Run:
+per CPU second of the simulation, how many engine steps ran (and how many of them without an
+event of their own: mostly those fast-forwarded as `sim.decode_run.DecodeRun`s), and how much
+of the CPU time the engine itself took (`Engine.begin_step` + `finish_step`, `DecodeRun.plan`
++ `advance`, timed around each call, so that share is slightly overstated). With
+`--profile FILE` the run is profiled with cProfile and the top functions by own time are
+printed. Run:
 
     .venv/bin/python -m bench.scripts.des_speed \\
         --trace ../shared/traces/mooncake_synthetic_trace.jsonl --policy colocate
@@ -26,6 +28,7 @@ from bench.des import SimConfig, SimResult, simulate
 from bench.layout import ClusterSpec, worker_roles
 from bench.traces import Trace, load_trace
 from policies import create_policy
+from sim.decode_run import DecodeRun
 from sim.engine import Engine
 
 # the shared traces lie beside the checkout
@@ -35,35 +38,37 @@ DEFAULT_TRACE = str(
 
 
 class EngineTimer:
-    """Adds up the CPU time spent inside the engine's two step calls."""
+    """Adds up the CPU time spent inside the engine's step calls and its decode runs'."""
 
-    _TIMED = ("begin_step", "finish_step")
+    _TIMED = ((Engine, "begin_step"), (Engine, "finish_step"), (DecodeRun, "plan"),
+              (DecodeRun, "advance"))  # fmt: skip
 
     def __init__(self) -> None:
         self.seconds = 0.0
-        self._saved: dict[str, Any] = {}
+        self._saved: list[tuple[type, str, Any]] = []
 
     def __enter__(self) -> EngineTimer:
         clock = time.process_time
 
-        def timed(call: Callable[[Engine], Any]) -> Callable[[Engine], Any]:
-            def wrapper(engine: Engine) -> Any:
+        def timed(call: Callable[..., Any]) -> Callable[..., Any]:
+            def wrapper(*args: Any) -> Any:
                 started = clock()
                 try:
-                    return call(engine)
+                    return call(*args)
                 finally:
                     self.seconds += clock() - started
 
             return wrapper
 
-        for name in self._TIMED:
-            self._saved[name] = getattr(Engine, name)
-            setattr(Engine, name, timed(self._saved[name]))
+        for owner, name in self._TIMED:
+            # the class attribute as defined (a classmethod stays one), restored on exit
+            self._saved.append((owner, name, owner.__dict__[name]))
+            setattr(owner, name, timed(getattr(owner, name)))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for name, call in self._saved.items():
-            setattr(Engine, name, call)
+        for owner, name, attribute in self._saved:
+            setattr(owner, name, attribute)
 
 
 def run(trace: Trace, policy: str, config: SimConfig, rate_scale: float) -> SimResult:
