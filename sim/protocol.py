@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from sim.tokenizer import render_chat, tokenize
+from sim.tokenizer import chat_token_ids, tokenize
 
 Kind = Literal["chat", "completion"]
 
@@ -84,7 +84,7 @@ def _prompt_ids(body: dict[str, Any], kind: Kind) -> list[int]:
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 raise OpenAIError(400, "each message needs a string 'role'", "messages")
         try:
-            return tokenize(render_chat(messages))
+            return chat_token_ids(messages)
         except (TypeError, ValueError) as exc:
             raise OpenAIError(400, f"invalid messages: {exc}", "messages") from exc
     prompt = body.get("prompt")

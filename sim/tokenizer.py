@@ -9,6 +9,7 @@ so a client that sends an answer back in the next turn produces exactly the gene
 from __future__ import annotations
 
 import zlib
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -61,6 +62,66 @@ def _content_text(content: Any) -> str:
     raise ValueError("message content must be a string or a list of text parts")
 
 
+class _PieceCache:
+    """Token ids of recently seen long texts, at most `max_tokens` of them in all.
+
+    A chat turn resends the whole conversation: without this, every turn re-tokenises every
+    earlier message, and a long context's admission stalls all streams on the worker's event
+    loop for milliseconds. The lists share the word cache's int objects, so a cached token
+    costs one pointer.
+    """
+
+    def __init__(self, max_tokens: int) -> None:
+        self._ids: OrderedDict[str, list[int]] = OrderedDict()
+        self._max = max_tokens
+        self._size = 0
+
+    def ids(self, text: str) -> list[int]:
+        found = self._ids.get(text)
+        if found is not None:
+            self._ids.move_to_end(text)
+            return found
+        found = tokenize(text)
+        if len(found) <= self._max:
+            self._ids[text] = found
+            self._size += len(found)
+            while self._size > self._max:
+                self._size -= len(self._ids.popitem(last=False)[1])
+        return found
+
+
+_PIECES = _PieceCache(max_tokens=1 << 22)
+_CACHED_FROM_CHARS = 256  # shorter texts tokenise faster than a cache round trip
+
+
+def chat_token_ids(messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    """`tokenize(render_chat(messages))`, message by message, long messages from a cache.
+
+    Equal because the rendering joins pieces with spaces and no piece's words span two
+    pieces (roles hold no whitespace): splitting the whole is splitting each piece.
+    """
+    ids: list[int] = []
+    for role, text in _chat_pieces(messages):
+        ids.append(token_id(f"<|{role}|>"))
+        if text:
+            ids += _PIECES.ids(text) if len(text) >= _CACHED_FROM_CHARS else tokenize(text)
+    ids.append(token_id(ASSISTANT_TAG))
+    return ids
+
+
+def _chat_pieces(messages: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
+    if not messages:
+        raise ValueError("messages must not be empty")
+    pieces: list[tuple[str, str]] = []
+    for message in messages:
+        role = message.get("role")
+        if not isinstance(role, str) or not role or any(c.isspace() for c in role):
+            raise ValueError("each message needs a 'role' string without whitespace")
+        text = _content_text(message.get("content"))
+        pieces.append((role, "" if not text or text.isspace() else text))
+    return pieces
+
+
 def render_chat(messages: Sequence[Mapping[str, Any]]) -> str:
     """Render OpenAI chat messages as "<|role|> content ..." and a final "<|assistant|>".
 
@@ -68,16 +129,10 @@ def render_chat(messages: Sequence[Mapping[str, Any]]) -> str:
     more, so a turn's rendering equals the previous turn's rendering, plus the assistant
     answer, plus the new messages: prefix caching hits across turns.
     """
-    if not messages:
-        raise ValueError("messages must not be empty")
     pieces: list[str] = []
-    for message in messages:
-        role = message.get("role")
-        if not isinstance(role, str) or not role or any(c.isspace() for c in role):
-            raise ValueError("each message needs a 'role' string without whitespace")
+    for role, text in _chat_pieces(messages):
         pieces.append(f"<|{role}|>")
-        text = _content_text(message.get("content"))
-        if text and not text.isspace():
+        if text:
             pieces.append(text)
     pieces.append(ASSISTANT_TAG)
     return " ".join(pieces)

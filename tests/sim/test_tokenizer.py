@@ -7,10 +7,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from sim.tokenizer import (
     VOCABULARY,
     WordGenerator,
+    chat_token_ids,
     count_tokens,
     render_chat,
     token_id,
@@ -126,3 +129,33 @@ def test_vocabulary_is_plain_lowercase_words() -> None:
 
 def test_token_ids_for_unknown_words_falls_back_to_crc() -> None:
     assert WordGenerator.token_ids_for(["the", "zebra"]) == [token_id("the"), token_id("zebra")]
+
+
+# long enough, often, to be cached (256 characters)
+_TEXT = st.lists(st.sampled_from(["the", "sea", " ", "\n", "\t", "x", "é"]), max_size=300).map(
+    "".join
+)
+_MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant"]),
+     "content": st.one_of(_TEXT, st.none(),
+                          st.lists(st.fixed_dictionaries({"type": st.just("text"),
+                                                          "text": _TEXT}), max_size=3))},
+)  # fmt: skip
+
+
+@given(st.lists(_MESSAGE, min_size=1, max_size=6))
+def test_chat_token_ids_equal_the_rendered_prompts_tokens(messages: list[dict[str, Any]]) -> None:
+    expected = tokenize(render_chat(messages))
+    assert chat_token_ids(messages) == expected
+    assert chat_token_ids(messages) == expected  # again, long messages from the cache
+
+
+def test_a_resent_conversation_is_tokenised_from_the_cache() -> None:
+    history = " ".join(VOCABULARY) * 4
+    turn = [{"role": "user", "content": history}]
+    first = chat_token_ids(turn)
+    second = chat_token_ids([*turn, {"role": "assistant", "content": "ok"},
+                             {"role": "user", "content": "more"}])  # fmt: skip
+    assert second[: len(first) - 1] == first[:-1]  # the same ids for the resent message
+    assert second[-4:] == [token_id("ok"), token_id("<|user|>"), token_id("more"),
+                           token_id("<|assistant|>")]  # fmt: skip
