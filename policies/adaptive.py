@@ -20,9 +20,10 @@ meet where it decodes (exposure, from the `StallLedger` of recent placements,
 `stall_window_s`) and the KV cache it would fill there, and the risk to the turn's own TTFT
 objective (its queue: the larger of the learned wait behind the queue depth and the placed
 work ahead); where nothing is at risk, the faster placement that takes less GPU time wins.
-Choice: the candidate that meets the turn's TTFT objective at the least cost (which is
-I > H + dQ + dC against the colocated reference; a placement off the resident worker must win
-by `SEPARATION_MARGIN`); then the lower cost among those that miss it; ties go to colocate,
+Choice: the candidate that meets the turn's own objectives (its TTFT, and its ITL: an
+exposure below one slow gap over its budget) at the least cost (which is I > H + dQ + dC
+against the colocated reference; a placement off the resident worker must win by
+`SEPARATION_MARGIN`); then the lower cost among those that miss them; ties go to colocate,
 handoff, migrate, recompute in that order, then to the lower worker ids, so the decision
 depends only on the view, the estimates and the ledgers, never on the order of the workers.
 When the best candidate misses the objective the turn is rejected with `retry_after_s`, or
@@ -46,9 +47,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from policies.adaptive_candidate import TTFT_WEIGHT, Candidate
 from policies.adaptive_ledgers import StallLedger, WorkLedger
 from policies.adaptive_params import AdaptiveParams as AdaptiveParams
-from policies.adaptive_scoring import TTFT_WEIGHT, Candidate, Scorer
+from policies.adaptive_scoring import Scorer
 from policies.estimates import Estimates, PrefillLeg
 from policies.load import DECODE_ROLES, PREFILL_ROLES, can_serve, load_score, reject_no_worker
 from policies.types import (
@@ -108,6 +110,9 @@ class AdaptivePolicy:
         decode_pool: list[WorkerView] = []
         prefill_pool: list[WorkerView] = []
         for worker in view.workers:
+            scraped_s = view.now_s - worker.scraped_age_s
+            if math.isfinite(scraped_s):
+                self._work.settle(worker.worker_id, scraped_s, worker.waiting)
             if worker.accepts_new_work:
                 if worker.role in DECODE_ROLES:
                     decode_pool.append(worker)
@@ -133,6 +138,7 @@ class AdaptivePolicy:
             stalls=self._stalls,
             prefix=prefix,
             work=self._work,
+            max_seqs=p.max_num_seqs,
         )
         key = _rank_key(turn)
         # A new answer goes where its KV fits: a full cache preempts the streams running there.
@@ -215,15 +221,17 @@ class AdaptivePolicy:
 def _rank_key(
     turn: Turn, reference: Candidate | None = None
 ) -> Callable[[Candidate], tuple[bool, float, int, tuple[str, ...]]]:
-    """Meets the TTFT objective first, then the lower cost; a candidate other than the
-    colocated `reference` must win by `SEPARATION_MARGIN` (what the model leaves out: a turn
-    moved off its resident worker moves load and cache with it, its gain is an estimate)."""
+    """Meets the turn's own objectives first (its TTFT, and its ITL: fewer slow gaps
+    expected where it decodes than its budget, `Candidate.exposure` < 1), then the lower
+    cost; a candidate other than the colocated `reference` must win by `SEPARATION_MARGIN`
+    (what the model leaves out: a turn moved off its resident worker moves load and cache
+    with it, its gain is an estimate)."""
     objective = turn.objectives.ttft_ms
 
     def key(candidate: Candidate) -> tuple[bool, float, int, tuple[str, ...]]:
         margin = 0.0 if reference is None or candidate is reference else SEPARATION_MARGIN
         return (
-            candidate.ttft_ms > objective,
+            candidate.ttft_ms > objective or candidate.exposure >= 1.0,
             candidate.cost + margin,
             _TIE_ORDER[candidate.action],
             candidate.workers,

@@ -4,6 +4,8 @@ crowding of a worker: the parts of `policies.adaptive_scoring` that keep state.
 - `StallLedger`: the prefill steps longer than the ITL objective placed on each worker, as a
   decaying count (their rate), which expose the answers decoding there.
 - `kv_crowding`: the misses one more stream costs where it fills a worker's KV cache.
+- `slot_wait_ms`: the wait for a sequence slot where the engine's sequence cap is reached.
+- `WorkLedger`: the prefill work placed on each worker and not yet done.
 - B(g) = `slow_gap_budget`: the gaps of a g-token answer that may exceed the ITL objective
   while the p99 of its gaps meets it.
 """
@@ -11,13 +13,17 @@ crowding of a worker: the parts of `policies.adaptive_scoring` that keep state.
 from __future__ import annotations
 
 import math
+from collections import deque
 
+from policies.estimates import Estimates
 from policies.types import WorkerView
 
 KV_CROWDED_FROM = 0.8
 KV_FULL_MISSES = 2.0
 MAX_TRACKED_WORKERS = 4096
 MAX_TRACKED_REQUESTS = 65536
+# Per worker, the placements `WorkLedger.settle` may find queued at a scrape.
+MAX_RECENT = 1024
 # The ITL objective is on the p99 of a stream's gaps: 1% of them may be slow.
 SLOW_GAP_SHARE = 0.01
 
@@ -41,6 +47,30 @@ def kv_crowding(worker: WorkerView, streams: float = 1.0) -> float:
         usage *= (in_flight + streams) / running
     risk = (usage - KV_CROWDED_FROM) / (1.0 - KV_CROWDED_FROM)
     return 0.0 if risk <= 0.0 else KV_FULL_MISSES * min(risk, 1.0)
+
+
+def slot_wait_ms(worker: WorkerView, cap: int, estimates: Estimates, streams: float = 1.0) -> float:
+    """The wait for room on `worker`: a sequence slot, its engine running at most `cap` (0:
+    no cap), and KV for `streams` mean-sized streams' worth of new KV. Each request it holds
+    past the cap (running and queued by the scrape, or in flight by the router's count if
+    more) waits for a stream to finish; the KV past full (grown as in `kv_crowding`) waits
+    for streams to free it. Its streams finish, and free their KV, at running / (mean answer
+    x decode step) per second (Little's law)."""
+    running = worker.running
+    if running <= 0:
+        return 0.0
+    held = running + (worker.waiting if worker.waiting > 0 else 0)
+    held = worker.inflight if worker.inflight > held else held
+    past = float(held + 1 - cap) if cap > 0 else 0.0
+    usage = worker.kv_usage
+    if usage > 0.0:
+        # The usage past full, in the running streams' share of the cache each.
+        over = (usage * (held + streams) / running - 1.0) * running / usage
+        past = over if over > past else past
+    if past <= 0.0:
+        return 0.0
+    step = estimates.decode_step_ms(running, estimates.mean_context_tokens, worker.worker_id)
+    return past * estimates.mean_completion_tokens * step / running
 
 
 class StallLedger:
@@ -88,6 +118,21 @@ class StallLedger:
         age = now_s - as_of if now_s > as_of else 0.0
         return count * math.exp(-age / self.window_s) / self.window_s
 
+    def host_rate(self, now_s: float, exclude: str = "") -> float:
+        """The mean rate of the workers that host slow prefills lately (at least one slow
+        step in the window, the asking request's own left out)."""
+        own = self._entries.get(exclude)
+        total, hosts = 0.0, 0
+        for worker, (count, as_of) in self._counts.items():
+            if own is not None and own[0] == worker:
+                count -= own[2] * math.exp((own[1] - as_of) / self.window_s)
+            age = now_s - as_of if now_s > as_of else 0.0
+            count *= math.exp(-age / self.window_s)
+            if count >= 1.0:
+                total += count
+                hosts += 1
+        return total / hosts / self.window_s if hosts else 0.0
+
     def _add(self, worker: str, at_s: float, steps: int) -> None:
         count, as_of = self._counts.get(worker, (0.0, at_s))
         if at_s >= as_of:
@@ -107,14 +152,23 @@ class WorkLedger:
 
     Keyed by request like `StallLedger`: placing a request again replaces its entry, and
     `backlog_ms` leaves the asking request's own work out; a finished request takes back
-    the work the ledger still counted ahead of its end."""
+    the work the ledger still counted ahead of its end. `settle` bounds it by a scrape: the
+    work is predicted (a cold prior, a prefix not yet learned) but the queue a scrape saw is
+    not, so a worker can be busy past the scrape only with what it had queued then and what
+    was placed there since. `utilisation`: the share of a worker's time the work placed there
+    lately takes (decaying with time constant `window_s`), backlog or not."""
 
-    __slots__ = ("_busy", "_entries")
+    __slots__ = ("_busy", "_entries", "_rates", "_recent", "window_s")
 
-    def __init__(self) -> None:
+    def __init__(self, window_s: float = 1.0) -> None:
+        self.window_s = window_s
         self._busy: dict[str, float] = {}  # worker -> busy until (s)
-        # request -> (worker, busy until before it, busy until after it)
-        self._entries: dict[str, tuple[str, float, float]] = {}
+        # worker -> (work placed, decaying with time constant window_s, in s; as of time)
+        self._rates: dict[str, tuple[float, float]] = {}
+        # request -> (worker, busy until before it, busy until after it, placed at, work s)
+        self._entries: dict[str, tuple[str, float, float, float, float]] = {}
+        # worker -> the latest requests placed there, in placement order
+        self._recent: dict[str, deque[tuple[float, str]]] = {}
 
     def place(self, request_id: str, worker: str | None, at_s: float, work_ms: float) -> None:
         old = self._entries.pop(request_id, None)
@@ -123,13 +177,20 @@ class WorkLedger:
             if busy is not None:
                 # Exact when nothing was placed there since; else take its share back.
                 self._busy[old[0]] = old[1] if busy == old[2] else busy - (old[2] - old[1])
+            self._rate_add(old[0], old[3], -old[4])
         if worker is None or not work_ms > 0.0:
             return
         before = self._busy.get(worker, at_s)
-        after = (before if before > at_s else at_s) + work_ms / 1000.0
+        work_s = work_ms / 1000.0
+        after = (before if before > at_s else at_s) + work_s
         if worker in self._busy or len(self._busy) < MAX_TRACKED_WORKERS:
             self._busy[worker] = after
-            self._entries[request_id] = (worker, before, after)
+            self._rate_add(worker, at_s, work_s)
+            self._entries[request_id] = (worker, before, after, at_s, work_s)
+            recent = self._recent.get(worker)
+            if recent is None:
+                recent = self._recent[worker] = deque(maxlen=MAX_RECENT)
+            recent.append((at_s, request_id))
         if len(self._entries) > MAX_TRACKED_REQUESTS:
             for key in list(self._entries)[: MAX_TRACKED_REQUESTS // 4]:
                 del self._entries[key]
@@ -140,8 +201,43 @@ class WorkLedger:
         if entry is None:
             return
         busy = self._busy.get(entry[0])
-        if busy is not None and entry[2] > now_s:
-            self._busy[entry[0]] = busy - (entry[2] - now_s)
+        if busy is not None:
+            # What the ledger still counted of it (a settled ledger may count less).
+            ahead = (entry[2] if entry[2] < busy else busy) - now_s
+            if ahead > 0.0:
+                self._busy[entry[0]] = busy - ahead
+
+    def settle(self, worker: str, scraped_s: float, queued: int) -> None:
+        """A scrape at `scraped_s` saw `queued` requests waiting on `worker`: the last ones
+        placed there before it (first come, first served); what was placed before them is
+        running or done, the latest of it at most its work after its placement. So the worker
+        is busy at most until that, their work and then the work placed since (each from its
+        placement on) are done."""
+        busy = self._busy.get(worker)
+        recent = self._recent.get(worker)
+        if busy is None or recent is None:
+            return
+        entries = self._entries
+        since: list[tuple[float, float]] = []
+        bound = scraped_s
+        for at_s, request_id in reversed(recent):
+            entry = entries.get(request_id)
+            if entry is None or entry[0] != worker or entry[3] != at_s:
+                continue  # placed again since, or forgotten
+            if at_s >= scraped_s:
+                since.append((at_s, entry[4]))
+            elif queued > 0:
+                queued -= 1
+                bound += entry[4]
+            else:
+                # The latest one admitted may still be in its step (a long prefill is one).
+                left = at_s + entry[4] - scraped_s
+                bound += left if left > 0.0 else 0.0
+                break
+        for at_s, work_s in reversed(since):
+            bound = (bound if bound > at_s else at_s) + work_s
+        if busy > bound:
+            self._busy[worker] = bound
 
     def backlog_ms(self, worker: str, now_s: float, exclude: str = "") -> float:
         busy = self._busy.get(worker)
@@ -151,3 +247,27 @@ class WorkLedger:
         if own is not None and own[0] == worker:
             busy = own[1] if busy == own[2] else busy - (own[2] - own[1])
         return (busy - now_s) * 1000.0 if busy > now_s else 0.0
+
+    def utilisation(self, worker: str, now_s: float, exclude: str = "") -> float:
+        """The share of `worker`'s time the prefill work placed there recently takes (work
+        per second over the last `window_s`, the asking request's own left out)."""
+        entry = self._rates.get(worker)
+        if entry is None:
+            return 0.0
+        total, as_of = entry
+        own = self._entries.get(exclude)
+        if own is not None and own[0] == worker:
+            total -= own[4] * math.exp((own[3] - as_of) / self.window_s)
+        if total <= 0.0:
+            return 0.0
+        age = now_s - as_of if now_s > as_of else 0.0
+        return total * math.exp(-age / self.window_s) / self.window_s
+
+    def _rate_add(self, worker: str, at_s: float, work_s: float) -> None:
+        total, as_of = self._rates.get(worker, (0.0, at_s))
+        if at_s >= as_of:
+            total = total * math.exp((as_of - at_s) / self.window_s) + work_s
+            as_of = at_s
+        else:
+            total += work_s * math.exp((at_s - as_of) / self.window_s)
+        self._rates[worker] = (total if total > 0.0 else 0.0, as_of)

@@ -27,6 +27,9 @@ class AdaptiveParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     shortlist: int = 3
     learning_rate: float = 0.1
     stall_window_s: float = 5.0
+    # The engine's sequence cap (vLLM's --max-num-seqs, 256 by default): past it a request
+    # waits for a running stream to finish.
+    max_num_seqs: int = 256
 
     def __post_init__(self) -> None:
         gpu_preset(self.gpu)
@@ -64,6 +67,7 @@ class AdaptiveParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             self.default_link_bps,
             "a finite number > 0",
         )
+        _require(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, ">= 1")
         _require(self.shortlist >= 1, "shortlist", self.shortlist, ">= 1")
         _require(0.0 < self.learning_rate <= 1.0, "learning_rate", self.learning_rate, "in (0, 1]")
         _require(

@@ -1,4 +1,5 @@
-"""What each placement of one turn would cost: the terms of I > H + dQ + dC.
+"""What each placement of one turn would cost: the terms of I > H + dQ + dC (each a
+`policies.adaptive_candidate.Candidate`, which holds the constants named here).
 
 A turn counts toward goodput when its TTFT meets its objective and the p99 of its own gaps
 meets its ITL objective, so the terms are weighed in expected objective misses; the ms that
@@ -9,17 +10,24 @@ Notation, for a turn of P prompt tokens of which U are not cached on the residen
 learned by policies.estimates), answering G tokens; B(g) = max(1, (g - 1) / 100), the gaps of
 a g-token answer that may exceed the ITL objective while the p99 of its gaps meets it:
 
-- queue(w) = max(estimates.queue_wait_ms(q), A): q = waiting + max(0, inflight - running -
-  waiting), the requests queued at w plus the in-flight ones its last scrape has not counted;
-  A = the prefill work this policy placed on w and not yet done (`WorkLedger`, in the compute
-  roof's ms: batched steps pay overhead and weights once).
-- a local prefill of n new tokens after c cached on worker w with R running decode streams
-  (none on a "prefill" worker), in k chunks; step = a decode step of the R streams alone,
-  fused = the prefill's k steps fused with theirs (see policies.estimates):
+- queue(w) = max(estimates.queue_wait_ms(q), slot, A): q = waiting + max(0, inflight -
+  running - waiting), the requests queued at w plus the in-flight ones its last scrape has not
+  counted; slot = the wait for room there: one of the engine's `max_seqs` sequence slots and
+  the KV the turn adds (`slot_wait_ms`); A = the prefill work this policy placed on w and not
+  yet done (`WorkLedger`, settled by the scrapes; in the compute roof's ms: batched steps pay
+  overhead and weights once).
+- a local prefill of n new tokens after c cached on worker w with R decode streams (none on
+  a "prefill" worker; R = the scrape's running, or the router's legs there less the scrape's
+  queue where more, at most `max_seqs`: a scrape may be an interval old), in k chunks; step =
+  a decode step of the R streams alone, fused = the prefill's k steps fused with theirs (see
+  policies.estimates), J = the others' prefill work in each step it joins: max(A / k,
+  u x step / (1 - u)), u = the share of w's time the prefills placed there recently take
+  (`WorkLedger.utilisation`: those arriving while a step runs join the next one):
       compute = prefill(n, c) on w alone,  own wait = fused - compute,
-      harm ms = R x k x max(0, (fused + A) / k - max(step, itl))   (stall past their slack),
+      harm ms = R x k x max(0, fused / k + J - max(step, itl))   (stall past their slack),
       harm    = R x s / B(mean answer length observed), s = k when fused / k > itl, else
-                fused / itl when the steps it joins behind A are slow, else 0:
+                fused / itl x min(1, (fused / k + J - `SLOW_FROM` itl) / ((1 - `SLOW_FROM`)
+                itl)) (a step predicted near the objective is slow as often as it varies):
   each slow step spends one gap of every stream's budget. This turn's objectives stand in
   for the streams' (the view has no other). C is the prefix the worker holds: the resident's
   cached tokens, the prompt of the session's last split turn on the worker that prefilled it,
@@ -27,7 +35,9 @@ a g-token answer that may exceed the ITL objective while the p99 of its gaps mee
 - exposure: the turn decodes on d for G - 1 gaps of a step at R + 1 streams, while d runs
   slow steps at the rate its recent placements set (`StallLedger`), and adds the KV it lacks
   there (`kv_crowding`: misses as the cache nears full):
-      exposure = rate(d) x (G - 1) x step / B(G) + crowding(d).
+      exposure = rate(d) x (G - 1) x step / B(G) + crowding(d);
+  where the turn's own prefill on d is slow (a whole turn), d becomes a host of slow
+  prefills: rate(d) is at least the mean rate of the workers hosting them lately.
 - TTFT risk: 0 up to `RISK_FROM` x the objective, rising linearly to 1 at the objective.
 - H(src, dst, bytes) = latency + bytes / available, available = max(1% of rate,
   rate - (bytes in flight + reserved bytes) / horizon); rate = the link's capacity (else its
@@ -41,12 +51,13 @@ Candidates, each with ttft = queue + compute + own wait + H (decode-side terms i
   queue = queue(p) + max(0, queue(d) - (the time until the KV arrives)).
 - migrate r -> d: as the router runs it, a handoff from the resident r.
 
-misses = harm + exposure + TTFT risk; cost = misses + `TTFT_WEIGHT` x (ttft + `WORK_WEIGHT` x
-compute) / objective: where nothing is at risk, the faster and cheaper placement wins (GPU
-time spent is time the turns queued behind it wait). Against the colocated reference r, a
-candidate c wins exactly when I > H + dQ + dC, with I = (harm + exposure)(r) - (the same)(c),
-the misses its separation avoids, and H + dQ + dC = (cost - harm - exposure)(c) - (the
-same)(r), what its transfer, queue and compute add.
+misses = harm + exposure + TTFT risk; cost = misses + `TTFT_WEIGHT` x ((ttft + `WORK_WEIGHT` x
+compute) / objective + pace), pace = the answer's decode step at R + 1 streams on d over the
+ITL objective: where nothing is at risk, the faster and cheaper placement wins (GPU time spent
+is time the turns queued behind it wait), and the calmer decode worker. Against the colocated
+reference r, a candidate c wins exactly when I > H + dQ + dC, with I = (harm + exposure)(r) -
+(the same)(c), the misses its separation avoids, and H + dQ + dC = (cost - harm -
+exposure)(c) - (the same)(r), what its transfer, queue, compute and pace add.
 """
 
 from __future__ import annotations
@@ -54,86 +65,17 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+from policies.adaptive_candidate import Candidate
 from policies.adaptive_ledgers import StallLedger as StallLedger
-from policies.adaptive_ledgers import WorkLedger, kv_crowding
+from policies.adaptive_ledgers import WorkLedger, kv_crowding, slot_wait_ms
 from policies.adaptive_ledgers import slow_gap_budget as slow_gap_budget
 from policies.calibration import queue_ahead
 from policies.estimates import Estimates, PrefillLeg
 from policies.types import Action, ClusterView, LinkView, Turn, WorkerView
 
 LINK_FLOOR_FRACTION = 0.01
-RISK_FROM = 0.5
-TTFT_WEIGHT = 0.05
-WORK_WEIGHT = 16.0
-
-
-class Candidate:
-    """One feasible placement: its predicted terms (ms) and expected objective misses."""
-
-    __slots__ = (
-        "action",
-        "compute_ms",
-        "cost",
-        "exposure",
-        "harm",
-        "harm_ms",
-        "interference_ms",
-        "leg",
-        "misses",
-        "queue_ms",
-        "risk",
-        "slow_steps",
-        "transfer_ms",
-        "ttft_ms",
-        "work_ms",
-        "workers",
-    )
-
-    def __init__(
-        self,
-        action: Action,
-        workers: tuple[str, ...],
-        objective_ms: float,
-        *,
-        queue_ms: float,
-        compute_ms: float,
-        own_wait_ms: float,
-        harm_ms: float,
-        harm: float,
-        exposure: float,
-        slow_steps: int,
-        leg: PrefillLeg,
-        work_ms: float,
-        transfer_ms: float = 0.0,
-    ) -> None:
-        self.work_ms = work_ms
-        self.action: Action = action
-        self.leg = leg
-        self.workers = workers
-        self.slow_steps = slow_steps
-        self.queue_ms = queue_ms
-        self.compute_ms = compute_ms
-        self.transfer_ms = transfer_ms
-        self.harm_ms = harm_ms
-        self.interference_ms = harm_ms + own_wait_ms
-        self.ttft_ms = ttft = queue_ms + compute_ms + own_wait_ms + transfer_ms
-        self.harm = harm
-        self.exposure = exposure
-        share = ttft / objective_ms if objective_ms > 0.0 else math.inf
-        self.risk = min(1.0, max(0.0, (share - RISK_FROM) / (1.0 - RISK_FROM)))
-        self.misses = harm + exposure + self.risk
-        work = compute_ms / objective_ms if objective_ms > 0.0 else math.inf
-        self.cost = self.misses + TTFT_WEIGHT * min(share + WORK_WEIGHT * work, 1e9)
-
-    @property
-    def interference(self) -> float:
-        """I of this placement, in expected misses: what its stalls cost."""
-        return self.harm + self.exposure
-
-    def describe(self) -> str:
-        if len(self.workers) == 1:
-            return f"{self.action} on {self.workers[0]}"
-        return f"{self.action} {self.workers[0]}->{self.workers[1]}"
+UTILISATION_MAX = 0.9
+SLOW_FROM = 0.8
 
 
 class Scorer:
@@ -151,6 +93,7 @@ class Scorer:
         "_itl_ms",
         "_kv_bytes",
         "_links",
+        "_max_seqs",
         "_now_s",
         "_objective_ms",
         "_own_budget",
@@ -179,6 +122,7 @@ class Scorer:
         stalls: StallLedger | None = None,
         prefix: tuple[str, int] | None = None,
         work: WorkLedger | None = None,
+        max_seqs: int = 0,
     ) -> None:
         prompt = turn.prompt_tokens if turn.prompt_tokens > 0 else 0
         uncached = min(max(turn.uncached_tokens, 0), prompt)
@@ -202,6 +146,7 @@ class Scorer:
         self._links = links
         self._stalls = stalls
         self._work = work
+        self._max_seqs = max_seqs
         self._now_s = view.now_s
         self._request_id = turn.request_id
         self._own_gaps = turn.max_tokens - 1 if turn.max_tokens > 1 else 0
@@ -228,10 +173,11 @@ class Scorer:
             own_wait_ms=own,
             harm_ms=harm_ms,
             harm=self._harm(worker, share),
-            exposure=self.exposure(worker),
+            exposure=self.exposure(worker, hosting=slow > 0),
             slow_steps=slow,
             leg=self._leg(worker, cached),
             work_ms=self._estimates.prefill_work_ms(self._prompt - cached, cached, wid),
+            pace=self.pace(worker),
         )
 
     def handoff(
@@ -249,7 +195,7 @@ class Scorer:
         ready = queue + compute + own + transfer
         decode_queue = self.queue_ms(decode) - ready
         # The first decode step carries this turn's context beside the running streams'.
-        batch = (decode.running if decode.running > 0 else 0) + 1
+        batch = self.streams(decode) + 1
         context = ((batch - 1) * self._estimates.mean_context_tokens + self._prompt) / batch
         first_step = self._estimates.decode_step_ms(batch, context, decode.worker_id)
         return Candidate(
@@ -267,6 +213,7 @@ class Scorer:
             work_ms=self._estimates.prefill_work_ms(
                 self._prompt - cached, cached, prefill.worker_id
             ),
+            pace=self.pace(decode),
             transfer_ms=transfer,
         )
 
@@ -275,26 +222,41 @@ class Scorer:
         wait = self._queues.get(wid)
         if wait is None:
             wait = self._estimates.queue_wait_ms(queue_ahead(worker))
+            slot = slot_wait_ms(worker, self._max_seqs, self._estimates, self._streams_of(wid))
+            wait = slot if slot > wait else wait
             if self._work is not None:
                 placed = self._work.backlog_ms(wid, self._now_s, self._request_id)
                 wait = placed if placed > wait else wait
             self._queues[wid] = wait
         return wait
 
-    def exposure(self, worker: WorkerView) -> float:
+    def pace(self, worker: WorkerView) -> float:
+        """The answer's decode step on `worker` beside its streams, over the ITL objective:
+        where nothing is at risk, the calmer worker decodes faster, and a tie otherwise herds
+        turns onto whichever worker looks a little faster."""
+        if self._own_gaps == 0 or not self._itl_ms > 0.0:
+            return 0.0
+        batch = self.streams(worker) + 1
+        estimates = self._estimates
+        step = estimates.decode_step_ms(batch, estimates.mean_context_tokens, worker.worker_id)
+        return step / self._itl_ms
+
+    def exposure(self, worker: WorkerView, hosting: bool = False) -> float:
         """Expected misses of this turn's answer decoded on `worker`: from its slow steps,
-        and from a KV cache about to fill (preemption)."""
-        # The KV it adds there: the context not cached there and the answer, in streams.
-        cached = self._cached_at(worker.worker_id)
-        mean = self._estimates.mean_context_tokens
-        added = self._prompt - cached + self._own_gaps + 1
-        crowding = kv_crowding(worker, added / mean if mean > 1.0 else 1.0)
+        and from a KV cache about to fill (preemption). `hosting`: the turn's own prefill
+        there is slow, which makes the worker one that hosts slow prefills: its answer meets
+        them at least at the rate such workers see lately (each slow prefill placed where
+        they already expose the streams costs the others nothing, so more follow)."""
+        crowding = kv_crowding(worker, self._streams_of(worker.worker_id))
         if self._stalls is None or self._own_gaps == 0:
             return crowding
         rate = self._stalls.rate(worker.worker_id, self._now_s, self._request_id)
+        if hosting:
+            hosts = self._stalls.host_rate(self._now_s, self._request_id)
+            rate = hosts if hosts > rate else rate
         if rate <= 0.0:
             return crowding
-        batch = (worker.running if worker.running > 0 else 0) + 1
+        batch = self.streams(worker) + 1
         step = self._estimates.decode_step_ms(
             batch, self._estimates.mean_context_tokens, worker.worker_id
         )
@@ -327,10 +289,24 @@ class Scorer:
         latency_s = link.latency_s if 0.0 < link.latency_s < math.inf else 0.0
         return (latency_s + nbytes / available) * 1000.0
 
-    @staticmethod
-    def _leg(worker: WorkerView, cached: int) -> PrefillLeg:
-        beside = worker.running if worker.role != "prefill" and worker.running > 0 else 0
-        return PrefillLeg(cached, beside)
+    def _streams_of(self, worker_id: str) -> float:
+        """The KV this turn adds on the worker (the context not cached there and the
+        answer), in mean-sized streams."""
+        mean = self._estimates.mean_context_tokens
+        added = self._prompt - self._cached_at(worker_id) + self._own_gaps + 1
+        return added / mean if mean > 1.0 else 1.0
+
+    def streams(self, worker: WorkerView) -> int:
+        """The decode streams on `worker` now: the scrape's, or more where the router's legs
+        there less the scrape's queue say so (a scrape may be an interval old, and turns
+        placed within it would otherwise all see the same, least-loaded, worker)."""
+        running = worker.running if worker.running > 0 else 0
+        placed = worker.inflight - (worker.waiting if worker.waiting > 0 else 0)
+        streams = placed if placed > running else running
+        return self._max_seqs if 0 < self._max_seqs < streams else streams
+
+    def _leg(self, worker: WorkerView, cached: int) -> PrefillLeg:
+        return PrefillLeg(cached, self.streams(worker) if worker.role != "prefill" else 0)
 
     def _cached_at(self, worker_id: str) -> int:
         if worker_id == self._resident:
@@ -340,9 +316,9 @@ class Scorer:
         return self._shared
 
     def _harm(self, worker: WorkerView, slow: float) -> float:
-        if slow <= 0.0 or worker.running <= 0 or worker.role == "prefill":
+        if slow <= 0.0 or worker.role == "prefill":
             return 0.0
-        return worker.running * slow / self._stream_budget
+        return self.streams(worker) * slow / self._stream_budget
 
     def _local_prefill(
         self, worker: WorkerView, uncached: int, cached: int
@@ -359,17 +335,32 @@ class Scorer:
             return compute, 0.0, 0.0, 0, 0.0
         chunks = estimates.prefill_chunks(uncached if uncached > 1 else 1)
         itl = self._itl_ms
-        running = worker.running
+        running = self.streams(worker)
         if running <= 0:
             slow = chunks if compute / chunks > itl else 0
             return compute, 0.0, 0.0, slow, float(slow)
         fused = estimates.prefill_ms(uncached, cached, wid, running)
         per_step = fused / chunks
-        ahead = self._work.backlog_ms(wid, self._now_s, self._request_id) if self._work else 0.0
         step = estimates.decode_step_ms(running, estimates.mean_context_tokens, wid)
-        over = per_step + ahead / chunks - (step if step > itl else itl)
+        joined = 0.0
+        if self._work is not None:
+            joined = self._work.backlog_ms(wid, self._now_s, self._request_id) / chunks
+            # The prefills arriving while a step runs join the next one: with a share u of
+            # the time spent prefilling, a step of the streams lasts step / (1 - u) and
+            # carries u of that in prefills.
+            u = self._work.utilisation(wid, self._now_s, self._request_id)
+            u = u if u < UTILISATION_MAX else UTILISATION_MAX
+            coalesced = u * step / (1.0 - u)
+            joined = coalesced if coalesced > joined else joined
+        over = per_step + joined - (step if step > itl else itl)
         harm_ms = running * chunks * over if over > 0.0 else 0.0
         own = fused - compute
         slow = chunks if per_step > itl else 0
-        share = float(slow) if slow or over <= 0.0 else fused / itl
+        if slow:
+            return compute, own if own > 0.0 else 0.0, harm_ms, slow, float(slow)
+        # A step predicted near the objective is slow as often as its time (noise, the
+        # prefills that arrive with it) varies: from `SLOW_FROM` x the objective on, and
+        # this prefill's share of it is its own time.
+        likely = ((per_step + joined) / itl - SLOW_FROM) / (1.0 - SLOW_FROM)
+        share = (likely if likely < 1.0 else 1.0) * fused / itl if likely > 0.0 else 0.0
         return compute, own if own > 0.0 else 0.0, harm_ms, slow, share

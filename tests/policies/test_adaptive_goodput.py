@@ -99,13 +99,16 @@ def test_an_answer_avoids_the_worker_that_just_ran_a_slow_prefill() -> None:
     first = policy.decide(turn(8000, request="r1"), cluster)
     assert first == Colocate("m1", predicted=first.predicted, reason=first.reason)
     second = policy.decide(turn(8000, request="r2"), cluster)
-    assert isinstance(second, Colocate)
-    assert second.worker == "m2"
+    # Its slow prefill goes where slow steps already expose the streams (a slow prefill on
+    # m2 would make m2 such a worker too), its answer to m2.
+    assert isinstance(second, Handoff)
+    assert (second.prefill_worker, second.decode_worker) == ("m1", "m2")
     # Exposure: the slow steps an answer of G tokens expects there, over its budget.
     scorer = Scorer(turn(8000, request="r3"), cluster, policy.estimates, links={},
                     horizon_s=1.0, default_bps=12.5e9, stalls=policy._stalls)  # fmt: skip
     step = policy.estimates.decode_step_ms(1, policy.estimates.mean_context_tokens, "m1")
-    assert scorer.exposure(cluster.workers[0]) == pytest.approx(0.2 * 511 * step / 1000 / 5.11)
+    # Both slow prefills ran on m1: 2 in the 5 s window.
+    assert scorer.exposure(cluster.workers[0]) == pytest.approx(0.4 * 511 * step / 1000 / 5.11)
 
 
 def test_slow_prefills_move_to_a_worker_without_streams() -> None:
@@ -162,9 +165,10 @@ def test_a_shared_prefix_is_learned_from_fresh_sessions_and_priced_everywhere() 
     cluster = view(w("m1"), w("m2"))
     before = Scorer(turn(6144), cluster, policy.estimates, links={}, horizon_s=1.0,
                     default_bps=12.5e9).whole(cluster.workers[1])  # fmt: skip
+    alone = view(w("m1"))  # the fresh sessions run whole on m1; m2 never runs one
     for k in range(40):
         request = f"f{k}"
-        assert isinstance(policy.decide(turn(6144, request=request), cluster), Colocate)
+        assert isinstance(policy.decide(turn(6144, request=request), alone), Colocate)
         policy.observe(_fresh_outcome(request, cached=2048))
     # A handoff's decode leg reports the pulled KV as cached: it teaches nothing here.
     policy.observe(_fresh_outcome("other", cached=6144, action="handoff"))

@@ -1,0 +1,83 @@
+"""One candidate placement of a turn and its cost in expected objective misses (the
+formulas are in `policies.adaptive_scoring`, which builds candidates)."""
+
+from __future__ import annotations
+
+import math
+
+from policies.estimates import PrefillLeg
+from policies.types import Action
+
+RISK_FROM = 0.5
+TTFT_WEIGHT = 0.05
+WORK_WEIGHT = 16.0
+
+
+class Candidate:
+    """One feasible placement: its predicted terms (ms) and expected objective misses."""
+
+    __slots__ = (
+        "action",
+        "compute_ms",
+        "cost",
+        "exposure",
+        "harm",
+        "harm_ms",
+        "interference_ms",
+        "leg",
+        "misses",
+        "queue_ms",
+        "risk",
+        "slow_steps",
+        "transfer_ms",
+        "ttft_ms",
+        "work_ms",
+        "workers",
+    )
+
+    def __init__(
+        self,
+        action: Action,
+        workers: tuple[str, ...],
+        objective_ms: float,
+        *,
+        queue_ms: float,
+        compute_ms: float,
+        own_wait_ms: float,
+        harm_ms: float,
+        harm: float,
+        exposure: float,
+        slow_steps: int,
+        leg: PrefillLeg,
+        work_ms: float,
+        pace: float = 0.0,
+        transfer_ms: float = 0.0,
+    ) -> None:
+        self.work_ms = work_ms
+        self.action: Action = action
+        self.leg = leg
+        self.workers = workers
+        self.slow_steps = slow_steps
+        self.queue_ms = queue_ms
+        self.compute_ms = compute_ms
+        self.transfer_ms = transfer_ms
+        self.harm_ms = harm_ms
+        self.interference_ms = harm_ms + own_wait_ms
+        self.ttft_ms = ttft = queue_ms + compute_ms + own_wait_ms + transfer_ms
+        self.harm = harm
+        self.exposure = exposure
+        share = ttft / objective_ms if objective_ms > 0.0 else math.inf
+        self.risk = min(1.0, max(0.0, (share - RISK_FROM) / (1.0 - RISK_FROM)))
+        self.misses = harm + exposure + self.risk
+        work = compute_ms / objective_ms if objective_ms > 0.0 else math.inf
+        self.cost = self.misses + TTFT_WEIGHT * min(share + WORK_WEIGHT * work + pace, 1e9)
+
+    @property
+    def interference(self) -> float:
+        """I of this placement, in expected misses: what its stalls cost."""
+        return self.harm + self.exposure
+
+    def describe(self) -> str:
+        if len(self.workers) == 1:
+            return f"{self.action} on {self.workers[0]}"
+        return f"{self.action} {self.workers[0]}->{self.workers[1]}"
