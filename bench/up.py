@@ -144,20 +144,31 @@ class _Child:
             self._log_file = None
 
 
+PORT_ATTEMPTS = 3
+
+
+class _PortTaken(RuntimeError):
+    """A child could not listen: its port was taken after it was found free."""
+
+
 class LocalStack:
     """A `sim-cluster` and a `serve` child process; use `async with LocalStack(spec) as s:`."""
 
     def __init__(self, spec: StackSpec) -> None:
         self.spec = spec
-        host = spec.host
-        base = spec.worker_base_port or free_port_block(host, spec.cluster.workers)
-        self.port = spec.port or free_port_block(host, 1)
-        self.worker_urls = [f"http://{host}:{base + i}" for i in range(spec.cluster.workers)]
-        self.url = f"http://{host}:{self.port}"
         self.admin_token = spec.admin_token or uuid.uuid4().hex
         cluster = spec.cluster
-        deployment = deployment_from_names(cluster.gpu, cluster.model, cluster.tp)
-        self.model = deployment.model.name
+        self._deployment = deployment_from_names(cluster.gpu, cluster.model, cluster.tp)
+        self.model = self._deployment.model.name
+        self._plan()
+
+    def _plan(self) -> None:
+        """The two children on the spec's ports, or on ports free right now."""
+        spec, host, cluster = self.spec, self.spec.host, self.spec.cluster
+        base = spec.worker_base_port or free_port_block(host, cluster.workers)
+        self.port = spec.port or free_port_block(host, 1)
+        self.worker_urls = [f"http://{host}:{base + i}" for i in range(cluster.workers)]
+        self.url = f"http://{host}:{self.port}"
         self._sim = _Child("workers", [
             "sim-cluster", "--host", host, "--base-port", str(base),
             "--workers", str(cluster.workers), "--gpu", cluster.gpu, "--model", cluster.model,
@@ -167,7 +178,7 @@ class LocalStack:
                   "--policy", spec.policy, "--first-token", spec.first_token,
                   "--admin-token", self.admin_token,
                   "--scrape-interval-ms", str(spec.scrape_interval_ms),
-                  "--kv-bytes-per-token", str(deployment.kv_bytes_per_token)]  # fmt: skip
+                  "--kv-bytes-per-token", str(self._deployment.kv_bytes_per_token)]  # fmt: skip
         for key, value in spec.policy_params:
             router += ["--policy-param", f"{key}={value}"]
         if spec.events is not None:
@@ -186,6 +197,19 @@ class LocalStack:
         await self.stop()
 
     async def start(self) -> None:
+        # Ports free when chosen can be taken by another program before a child binds them:
+        # then the stack starts again on other ones (ports the spec names are not changed).
+        chosen = self.spec.port is None or self.spec.worker_base_port is None
+        for attempt in range(PORT_ATTEMPTS):
+            try:
+                await self._start_once()
+                return
+            except _PortTaken:
+                if not chosen or attempt + 1 == PORT_ATTEMPTS:
+                    raise
+                self._plan()
+
+    async def _start_once(self) -> None:
         try:
             async with aiohttp.ClientSession() as session:
                 await self._sim.start()
@@ -206,7 +230,9 @@ class LocalStack:
         pending = list(urls)
         while pending:
             if child.exited():
-                raise RuntimeError(f"the {child.name} process exited at start:\n{child.tail()}")
+                tail = child.tail()
+                error = _PortTaken if "address already in use" in tail else RuntimeError
+                raise error(f"the {child.name} process exited at start:\n{tail}")
             try:
                 async with session.get(pending[0], timeout=aiohttp.ClientTimeout(total=1)) as r:
                     if r.status == 200:

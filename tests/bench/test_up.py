@@ -6,6 +6,7 @@ import signal
 import socket
 from pathlib import Path
 
+import aiohttp
 import openai
 import pytest
 
@@ -101,6 +102,32 @@ async def test_a_child_that_cannot_start_is_reported_and_all_stopped(tmp_path: P
             await LocalStack(spec).start()
     assert _closed(base) and _closed(base + 1)
     assert "address already in use" in (tmp_path / "router.log").read_text().lower()
+
+
+async def test_ports_taken_after_they_were_chosen_are_chosen_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another program may bind a port between the stack finding it free and its child
+    listening on it: the stack then starts on other ports."""
+    import bench.up as up
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        offered = [port]  # the router's first port is the taken one; then free ones
+
+        def choose(host: str, count: int) -> int:
+            return offered.pop() if count == 1 and offered else free_port_block(host, count)
+
+        monkeypatch.setattr(up, "free_port_block", choose)
+        spec = StackSpec(cluster=TWO_GPUS, roles=("mixed", "mixed"), policy="colocate",
+                         log_dir=str(tmp_path), startup_timeout_s=20)  # fmt: skip
+        async with LocalStack(spec) as stack:
+            assert stack.port != port
+            async with aiohttp.ClientSession() as session:
+                async with session.get(stack.url + "/ready") as ready:
+                    assert ready.status == 200
 
 
 def test_stack_spec_and_policy_params() -> None:
