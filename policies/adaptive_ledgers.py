@@ -109,14 +109,9 @@ class StallLedger:
         entry = self._counts.get(worker)
         if entry is None:
             return 0.0
-        count, as_of = entry
         own = self._entries.get(exclude)
-        if own is not None and own[0] == worker:
-            count -= own[2] * math.exp((own[1] - as_of) / self.window_s)
-        if count <= 0.0:
-            return 0.0
-        age = now_s - as_of if now_s > as_of else 0.0
-        return count * math.exp(-age / self.window_s) / self.window_s
+        mine = (own[2], own[1]) if own is not None and own[0] == worker else None
+        return _decayed_rate(*entry, now_s, self.window_s, mine)
 
     def host_rate(self, now_s: float, exclude: str = "") -> float:
         """The mean rate of the workers that host slow prefills lately (at least one slow
@@ -254,14 +249,9 @@ class WorkLedger:
         entry = self._rates.get(worker)
         if entry is None:
             return 0.0
-        total, as_of = entry
         own = self._entries.get(exclude)
-        if own is not None and own[0] == worker:
-            total -= own[4] * math.exp((own[3] - as_of) / self.window_s)
-        if total <= 0.0:
-            return 0.0
-        age = now_s - as_of if now_s > as_of else 0.0
-        return total * math.exp(-age / self.window_s) / self.window_s
+        mine = (own[4], own[3]) if own is not None and own[0] == worker else None
+        return _decayed_rate(*entry, now_s, self.window_s, mine)
 
     def _rate_add(self, worker: str, at_s: float, work_s: float) -> None:
         total, as_of = self._rates.get(worker, (0.0, at_s))
@@ -271,3 +261,16 @@ class WorkLedger:
         else:
             total += work_s * math.exp((at_s - as_of) / self.window_s)
         self._rates[worker] = (total if total > 0.0 else 0.0, as_of)
+
+
+def _decayed_rate(
+    total: float, as_of: float, now_s: float, window_s: float, own: tuple[float, float] | None
+) -> float:
+    """A sum decaying with time constant `window_s` (`total` as of `as_of`) as a rate at
+    `now_s`, less `own` = (amount, added at) when the asker's own share is left out."""
+    if own is not None:
+        total -= own[0] * math.exp((own[1] - as_of) / window_s)
+    if total <= 0.0:
+        return 0.0
+    age = now_s - as_of if now_s > as_of else 0.0
+    return total * math.exp(-age / window_s) / window_s
