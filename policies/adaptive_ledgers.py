@@ -129,12 +129,8 @@ class StallLedger:
         return total / hosts / self.window_s if hosts else 0.0
 
     def _add(self, worker: str, at_s: float, steps: int) -> None:
-        count, as_of = self._counts.get(worker, (0.0, at_s))
-        if at_s >= as_of:
-            count = count * math.exp((as_of - at_s) / self.window_s) + steps
-            as_of = at_s
-        else:
-            count += steps * math.exp((at_s - as_of) / self.window_s)
+        count, as_of = _decayed_add(*self._counts.get(worker, (0.0, at_s)), at_s, steps,
+                                    self.window_s)  # fmt: skip
         if worker in self._counts or len(self._counts) < MAX_TRACKED_WORKERS:
             self._counts[worker] = (count if count > 0.0 else 0.0, as_of)
 
@@ -254,12 +250,8 @@ class WorkLedger:
         return _decayed_rate(*entry, now_s, self.window_s, mine)
 
     def _rate_add(self, worker: str, at_s: float, work_s: float) -> None:
-        total, as_of = self._rates.get(worker, (0.0, at_s))
-        if at_s >= as_of:
-            total = total * math.exp((as_of - at_s) / self.window_s) + work_s
-            as_of = at_s
-        else:
-            total += work_s * math.exp((at_s - as_of) / self.window_s)
+        total, as_of = _decayed_add(*self._rates.get(worker, (0.0, at_s)), at_s, work_s,
+                                    self.window_s)  # fmt: skip
         self._rates[worker] = (total if total > 0.0 else 0.0, as_of)
 
 
@@ -274,3 +266,13 @@ def _decayed_rate(
         return 0.0
     age = now_s - as_of if now_s > as_of else 0.0
     return total * math.exp(-age / window_s) / window_s
+
+
+def _decayed_add(
+    total: float, as_of: float, at_s: float, amount: float, window_s: float
+) -> tuple[float, float]:
+    """`amount` added at `at_s` to a sum decaying with time constant `window_s`; the sum is
+    kept as of the latest time it was added to."""
+    if at_s >= as_of:
+        return total * math.exp((as_of - at_s) / window_s) + amount, at_s
+    return total + amount * math.exp((at_s - as_of) / window_s), as_of
