@@ -8,13 +8,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from bench.up import free_port_block as bench_free_port_block
+from bench.up import free_port_block
 from tests.conftest import free_port
 from tests.procs import Process
-
-
-def free_port_block(count: int) -> int:
-    return bench_free_port_block("127.0.0.1", count)
 
 
 @dataclass
@@ -24,7 +20,7 @@ class SimCluster:
 
 
 def start_sim_cluster(workers: int, *extra: str) -> SimCluster:
-    base = free_port_block(workers)
+    base = free_port_block("127.0.0.1", workers)
     process = Process(["sim-cluster", "--base-port", str(base), "--workers", str(workers),
                        "--noise", "0", *extra])  # fmt: skip
     urls = [f"http://127.0.0.1:{base + i}" for i in range(workers)]

@@ -15,10 +15,10 @@ import aiohttp
 import pytest
 import yaml
 
+from bench.up import free_port_block
 from router.config import load_config
 from session_router_cli import build_parser
 from tests.conftest import free_port
-from tests.e2e.conftest import free_port_block
 from tests.e2e.helpers import admin_get, chat
 from tests.procs import ROOT, Process
 
@@ -69,7 +69,7 @@ async def test_compose_routers_and_sim_cluster_run_for_real_and_share_session_ow
     redis_url: str,
 ) -> None:
     sim_command = SERVICES["sim-cluster"]["command"]
-    base = free_port_block(4)
+    base = free_port_block("127.0.0.1", 4)
     ports = {8101 + i: base + i for i in range(4)}
     router_ports = [free_port(), free_port()]
     prefix = f"compose-{uuid.uuid4().hex[:6]}"
@@ -117,7 +117,7 @@ def _dashboard_metrics() -> set[str]:
 async def test_every_dashboard_metric_is_exported_by_a_router_or_sim_worker(
     redis_url: str,
 ) -> None:
-    base = free_port_block(2)
+    base = free_port_block("127.0.0.1", 2)
     sim = Process(["sim-cluster", "--base-port", str(base), "--workers", "2"])
     port = free_port()
     sim_urls = [f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"]
