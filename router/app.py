@@ -90,6 +90,9 @@ class Router:
         self.admin = Admin(config.admin_token, self.pool, self.state, self.events, self.policy)
 
     async def stop(self) -> None:
+        pipeline: TurnPipeline | None = getattr(self, "pipeline", None)  # set by start()
+        if pipeline is not None:
+            pipeline.settle()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -180,6 +183,7 @@ class Router:
             if method != "POST":
                 return error_response(405, f"method {method} not allowed")
             return await self.pipeline.handle(request, writer, chat=path == "/v1/chat/completions")
+        self.pipeline.settle()  # what is reported includes every turn already answered
         if path.startswith(Admin.PREFIX):
             return await self.admin.handle(request)
         endpoint = self._endpoints.get(path)

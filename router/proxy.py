@@ -40,8 +40,10 @@ from router.workers import WorkerPool
 
 log = logging.getLogger("router.proxy")
 
-# hop-by-hop headers (RFC 9110 7.6.1) and those aiohttp sets itself are never forwarded
-_FORWARDED = ("x-request-id",)
+# Accounting for finished turns (metrics, the policy's observe, the event log) runs while a
+# later turn waits on its worker, so it never sits between a client and its answer; with no
+# later turn it runs this long after the last one finished.
+SETTLE_AFTER_S = 0.002
 
 
 class PolicyHolder:
@@ -77,6 +79,8 @@ class TurnPipeline:
         self.tokens = TokenEstimator()
         self._tokenizer = LocalTokenizer(config.tokenizer) if config.tokenizer else None
         self._background: set[asyncio.Future[Any]] = set()
+        self._unsettled: list[StageEvents] = []
+        self._settle_timer: asyncio.TimerHandle | None = None
 
     async def handle(self, request: Request, writer: StreamWriter, chat: bool) -> Response | None:
         """One turn; returns the reply, or None when it was streamed through `writer`."""
@@ -112,8 +116,8 @@ class TurnPipeline:
             raise
         finally:
             events.done = self._clock.now()
-            # after the reply has gone out: a plain reply is written when this returns
-            asyncio.get_running_loop().call_soon(self._finish, ctx, events)
+            # a plain reply is written when this returns: the bookkeeping waits for it
+            writer.after_sent(lambda: self._finish(ctx, events))
 
     async def _admit(
         self,
@@ -231,6 +235,8 @@ class TurnPipeline:
     async def _place_and_run(self, ctx: TurnContext) -> Response | None:
         if self._pool.healthy_count() == 0:
             raise RouterError(503, "no healthy worker is available", retry_after_s=1.0)
+        if self._unsettled:  # runs once this turn waits on its worker
+            asyncio.get_running_loop().call_soon(self.settle)
         for attempt in range(2):
             decision = self._decide(ctx)
             try:
@@ -246,12 +252,31 @@ class TurnPipeline:
         raise AssertionError("unreachable")
 
     def _finish(self, ctx: TurnContext | None, events: StageEvents) -> None:
-        """Commit residency, learn, count and log: all in memory or queued, never awaited."""
+        """Commit residency at once (the session's next turn reads it); count, learn and log
+        later, while some turn waits on a worker or within `SETTLE_AFTER_S`."""
+        if ctx is not None:
+            self._commit(ctx, events)
+        self._unsettled.append(events)
+        if self._settle_timer is None:
+            loop = asyncio.get_running_loop()
+            self._settle_timer = loop.call_later(SETTLE_AFTER_S, self.settle)
+
+    def settle(self) -> None:
+        """Count, learn from and log every finished turn not yet accounted for."""
+        if self._settle_timer is not None:
+            self._settle_timer.cancel()
+            self._settle_timer = None
+        finished, self._unsettled = self._unsettled, []
+        for events in finished:
+            try:
+                self._account(events)
+            except Exception:
+                log.exception("accounting for request %s failed", events.request_id)
+
+    def _account(self, events: StageEvents) -> None:
         action = events.action or "none"
         outcome = events.outcome or "error"
         self._metrics.request_done(action, outcome)
-        if ctx is not None:
-            self._commit(ctx, events)
         if events.recomputed_tokens:
             self._metrics.recomputed(events.recomputed_tokens)
         if events.transferred_bytes:

@@ -35,8 +35,8 @@ class StreamWriter:
     router one send) instead of two; a stream whose first token is late shows its head early.
     """
 
-    __slots__ = ("_conn", "_head_only", "_held", "_hold_timer", "chunked", "ended", "keep_alive",
-                 "started")  # fmt: skip
+    __slots__ = ("_after_sent", "_conn", "_head_only", "_held", "_hold_timer", "chunked", "ended",
+                 "keep_alive", "started")  # fmt: skip
 
     def __init__(self, conn: _Connection, request: Request) -> None:
         self._conn = conn
@@ -47,6 +47,21 @@ class StreamWriter:
         self.ended = False
         self._held = b""
         self._hold_timer: asyncio.TimerHandle | None = None
+        self._after_sent: Callable[[], None] | None = None
+
+    def after_sent(self, callback: Callable[[], None]) -> None:
+        """Run `callback` once this request's response is out (or can no longer be sent),
+        before the connection reads on: work that must not delay the answer, done while the
+        client reads it."""
+        self._after_sent = callback
+
+    def _run_after_sent(self) -> None:
+        callback, self._after_sent = self._after_sent, None
+        if callback is not None:
+            try:
+                callback()
+            except Exception:
+                _log.exception("after-sent callback failed")
 
     async def start(self, status: int, headers: Mapping[str, str]) -> None:
         if self.started:
@@ -221,6 +236,7 @@ class _Connection(asyncio.Protocol):
             self._respond(request, _error(500, "internal server error"), keep_alive)
         finally:
             self.task = None
+            writer._run_after_sent()
         self._after_response(keep_alive)
 
     def _respond(self, request: Request, response: Response, keep_alive: bool) -> None:

@@ -124,6 +124,22 @@ async def test_events_file_gets_one_line_per_turn(
     assert all(row["outcome"] == "completed" and row["completion_tokens"] == 8 for row in rows)
 
 
+async def test_a_lone_turn_is_accounted_for_without_another_request(
+    sim4: SimCluster, start_router: StartRouter, tmp_path: Path
+) -> None:
+    # Accounting waits for a later turn's worker wait, or a short timer when none comes.
+    events = tmp_path / "events.jsonl"
+    router = start_router("--mixed", sim4.urls[0], "--events", str(events))
+    async with aiohttp.ClientSession() as http:
+        await chat(http, router.url, MESSAGES, session_id="alone")
+    rows: list[dict[str, object]] = []
+    async with asyncio.timeout(5):
+        while not rows:
+            await asyncio.sleep(0.05)
+            rows = [json.loads(line) for line in events.read_text().splitlines()]
+    assert [(row["session_id"], row["outcome"]) for row in rows] == [("alone", "completed")]
+
+
 async def test_a_local_tokenizer_file_gives_exact_prompt_counts(
     sim4: SimCluster, start_router: StartRouter, tmp_path: Path
 ) -> None:

@@ -4,7 +4,9 @@ disconnects, failures and graceful close."""
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -360,6 +362,74 @@ async def test_client_disconnect_cancels_the_handler_at_once(serve: Serve, strea
     assert await asyncio.wait_for(cancelled_at, timeout=1) - gone_at < 0.1
     await asyncio.sleep(0.01)
     assert len(server.connections) == 0
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["plain", "stream"])
+async def test_after_sent_runs_once_the_client_has_its_reply(serve: Serve, streaming: bool) -> None:
+    # The callback blocks the server's loop until a client in another thread holds the whole
+    # reply: were it run before the reply is written, the client could never get it.
+    received, outcome = threading.Event(), list[bool]()
+
+    async def handler(request: Request, writer: StreamWriter) -> Response | None:
+        writer.after_sent(lambda: outcome.append(received.wait(timeout=5)))
+        if not streaming:
+            return Response(200, b"answer", content_type="text/plain")
+        await writer.start(200, {"Content-Type": "text/plain"})
+        await writer.end(b"answer")
+        return None
+
+    server, _ = await serve(handler)
+
+    def fetch() -> bytes:
+        connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
+        connection.request("GET", "/")
+        body = connection.getresponse().read()
+        received.set()
+        connection.close()
+        return body
+
+    assert await asyncio.to_thread(fetch) == b"answer"
+    assert outcome == [True]
+
+
+@pytest.mark.parametrize("ending", ["raise", "client-gone", "callback-raises"])
+async def test_after_sent_runs_exactly_once_however_the_request_ends(
+    serve: Serve, caplog: pytest.LogCaptureFixture, ending: str
+) -> None:
+    calls, started, called = list[str](), asyncio.Event(), asyncio.Event()
+
+    def record(outcome: str) -> None:
+        calls.append(outcome)
+        called.set()
+
+    async def handler(request: Request, writer: StreamWriter) -> Response:
+        if request.path == "/next":
+            return Response(200, b"next", content_type="text/plain")
+        if ending == "callback-raises":
+            writer.after_sent(lambda: calls.append(str(1 / 0)))
+            return Response(200, b"fine", content_type="text/plain")
+        writer.after_sent(lambda: record(ending))
+        if ending == "raise":
+            raise ValueError("boom")
+        started.set()
+        await asyncio.sleep(30)
+        raise AssertionError("the client left: never reached")
+
+    _, client = await serve(handler)
+    client.send(GET)
+    if ending == "client-gone":
+        await asyncio.wait_for(started.wait(), timeout=2)
+        client.writer.transport.abort()
+        await asyncio.wait_for(called.wait(), timeout=2)
+        assert calls == ["client-gone"]
+        return
+    client.send(b"GET /next HTTP/1.1\r\nHost: x\r\n\r\n")
+    first, second = await client.replies_done(2)
+    assert (first.status, second.body) == (500 if ending == "raise" else 200, b"next")
+    if ending == "raise":
+        assert calls == ["raise"]
+    else:  # a failing callback is logged; the connection serves on
+        assert calls == [] and "after-sent callback failed" in caplog.text
 
 
 @pytest.mark.parametrize(
