@@ -7,11 +7,11 @@ in-flight counts go out in the state layer's pipelined batches after the client 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Any
 
 from policies.base import Policy
 from policies.calibration import queue_ahead
@@ -78,14 +78,16 @@ class TurnPipeline:
         self._mark_failed = mark_failed
         self.tokens = TokenEstimator()
         self._tokenizer = LocalTokenizer(config.tokenizer) if config.tokenizer else None
-        self._background: set[asyncio.Future[Any]] = set()
+        # ids unique across replicas and restarts without a system call per turn
+        self._id_prefix = os.urandom(8).hex()
+        self._id_counter = itertools.count(1)
         self._unsettled: list[StageEvents] = []
         self._settle_timer: asyncio.TimerHandle | None = None
 
     async def handle(self, request: Request, writer: StreamWriter, chat: bool) -> Response | None:
         """One turn; returns the reply, or None when it was streamed through `writer`."""
         admitted = self._clock.now()
-        request_id = request.headers.get("x-request-id") or os.urandom(16).hex()
+        request_id = request.headers.get("x-request-id") or self._new_request_id()
         events = StageEvents(request_id=request_id, session_id="", admitted=admitted,
                              first_token_convention=self._config.first_token)  # fmt: skip
         ctx: TurnContext | None = None
@@ -118,6 +120,9 @@ class TurnPipeline:
             events.done = self._clock.now()
             # a plain reply is written when this returns: the bookkeeping waits for it
             writer.after_sent(lambda: self._finish(ctx, events))
+
+    def _new_request_id(self) -> str:
+        return f"{self._id_prefix}{next(self._id_counter):016x}"
 
     async def _admit(
         self,
@@ -320,29 +325,17 @@ class TurnPipeline:
             if ctx.prompt_chars:
                 messages = len(ctx.fields.messages or ())
                 self.tokens.observe(ctx.prompt_chars, messages, usage.prompt_tokens)
+        # Nobody waits for a commit: a conflict (another replica won the CAS) or a dropped
+        # write only corrects the view.
         expected = ctx.record.epoch if ctx.record is not None else 0
         if ctx.failed_midstream:
             if ctx.record is not None:
-                self._track(self._state.clear_session(ctx.session_id, expected))
+                self._state.clear_session_nowait(ctx.session_id, expected)
             return
         if events.outcome != "completed" or usage is None or ctx.served_by is None:
             return
         tokens = usage.prompt_tokens + usage.completion_tokens
-        self._track(
-            self._state.commit_session(
-                ctx.session_id, ctx.served_by, tokens,
-                tokens * self._config.kv_bytes_per_token, expected,
-            )
+        self._state.commit_session_nowait(
+            ctx.session_id, ctx.served_by, tokens, tokens * self._config.kv_bytes_per_token,
+            expected,
         )  # fmt: skip
-
-    def _track(self, future: asyncio.Future[Any]) -> None:
-        # Commits are fire and forget; keep a reference so the result is not garbage collected
-        # and a conflict (another replica won the CAS) is only logged.
-        task = asyncio.ensure_future(future)
-        self._background.add(task)
-        task.add_done_callback(self._done)
-
-    def _done(self, task: asyncio.Future[Any]) -> None:
-        self._background.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("session commit failed: %s", task.exception())

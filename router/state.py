@@ -150,13 +150,34 @@ class SharedState:
         `expected_epoch` 0 also matches any session with no residency. The view is updated
         now (optimistically) and corrected from the result; awaiting is optional.
         """
+        future: asyncio.Future[CommitResult] = asyncio.get_running_loop().create_future()
+        self.commit_session_nowait(session_id, worker_id, tokens, bytes_, expected_epoch, future)
+        return future
+
+    def commit_session_nowait(
+        self,
+        session_id: str,
+        worker_id: str,
+        tokens: int,
+        bytes_: int,
+        expected_epoch: int,
+        future: asyncio.Future[CommitResult] | None = None,
+    ) -> None:
+        """`commit_session` for a caller that does not wait for the outcome (the view is
+        corrected from it all the same): no future to make, resolve and collect per turn."""
         if not worker_id:
             raise ValueError("commit_session needs a worker; use clear_session")
-        return self._submit(session_id, worker_id, tokens, bytes_, expected_epoch, turns_inc=1)
+        self._submit(session_id, worker_id, tokens, bytes_, expected_epoch, 1, future)
 
     def clear_session(self, session_id: str, expected_epoch: int) -> asyncio.Future[CommitResult]:
         """Queue the CAS that clears the residency (the worker lost the session's state)."""
-        return self._submit(session_id, "", 0, 0, expected_epoch, turns_inc=0)
+        future: asyncio.Future[CommitResult] = asyncio.get_running_loop().create_future()
+        self._submit(session_id, "", 0, 0, expected_epoch, 0, future)
+        return future
+
+    def clear_session_nowait(self, session_id: str, expected_epoch: int) -> None:
+        """`clear_session` without waiting for the outcome."""
+        self._submit(session_id, "", 0, 0, expected_epoch, 0, None)
 
     # workers
 
@@ -251,8 +272,8 @@ class SharedState:
         nbytes: int,
         expected_epoch: int,
         turns_inc: int,
-    ) -> asyncio.Future[CommitResult]:
-        future: asyncio.Future[CommitResult] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[CommitResult] | None,
+    ) -> None:
         entry = self._sessions.entry(session_id)
         # the epoch Redis should hold: 0 stands for "no residency", whatever its epoch
         base = expected_epoch
@@ -278,12 +299,11 @@ class SharedState:
             tokens=tokens,
             bytes=nbytes,
             write_id=f"{self._write_prefix}{self._write_seq}",
-            futures=[future],
+            futures=[] if future is None else [future],
             optimistic=optimistic,
         )
         self._queue.add_session(write)
         self._wake()
-        return future
 
     def _wake(self) -> None:
         self._sync.writer.wake()

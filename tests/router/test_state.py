@@ -276,6 +276,32 @@ async def test_chained_turns_merge_and_a_conflicting_write_loses(
         assert a.cached_session("s") == final
 
 
+async def test_commits_nobody_waits_for_land_and_correct_the_view_alike(
+    redis_url: str, prefix: str
+) -> None:
+    async with (
+        running(redis_url, prefix, "a") as a,
+        running(redis_url, prefix, "b") as b,
+    ):
+        assert (await b.commit_session("taken", "wb", 5, 50, 0)).ok
+        a.commit_session_nowait("s", "w1", 10, 100, 0)
+        a.commit_session_nowait("s", "w2", 20, 200, 1)  # chains on the first, same batch
+        waited = a.commit_session("other", "w3", 30, 300, 0)  # shares the batch
+        a.commit_session_nowait("taken", "wa", 1, 10, 0)  # loses: b holds epoch 1
+        a.commit_session_nowait("gone", "w1", 7, 70, 0)
+        a.clear_session_nowait("gone", 1)
+        assert a.cached_session("s") is not UNKNOWN  # the optimistic guess, at once
+        assert (await waited).ok
+        await eventually(lambda: a.cached_session("taken") == b.cached_session("taken"))
+        stored = await b.load_session("s")
+        assert stored is not None
+        assert (stored.worker_id, stored.tokens, stored.turns, stored.epoch) == ("w2", 20, 2, 2)
+        assert a.cached_session("s") == stored
+        taken = await b.load_session("taken")
+        assert taken is not None and taken.worker_id == "wb"
+        assert await b.load_session("gone") is None
+
+
 async def test_every_key_written_has_a_ttl(redis_url: str, prefix: str) -> None:
     async with running(redis_url, prefix, "a") as a:
         await a.commit_session("s1", "w1", 1, 1, 0)
