@@ -194,7 +194,7 @@ class TurnPipeline:
 
     def view(self, record: SessionRecord | None) -> ClusterView:
         now = time.time()
-        links = tuple(state.to_view() for state in self._state.link_views().values())
+        links = self._state.policy_links()
         residency: Residency | None = record.to_residency() if record is not None else None
         return ClusterView(
             now_s=now,

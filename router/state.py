@@ -19,6 +19,7 @@ from typing import cast
 
 from redis.exceptions import RedisError
 
+from policies.types import LinkView
 from router.state_codec import link_from_ledger, session_from_hash
 from router.state_health import UNREACHABLE, Health
 from router.state_keys import Keys
@@ -262,6 +263,10 @@ class SharedState:
     def link_views(self) -> dict[tuple[str, str], LinkState]:
         return self._fleet.link_views(time.time())
 
+    def policy_links(self) -> tuple[LinkView, ...]:
+        """Every link as a policy sees it (built again only after a change)."""
+        return self._fleet.policy_links(time.time())
+
     # internals: writes
 
     def _submit(
@@ -324,5 +329,5 @@ class SharedState:
         reservation = Reservation(
             reservation_id, src, dst, nbytes, priority, time.time() + lease_s, local_only=True
         )
-        self._fleet.local_reservations[reservation_id] = reservation
+        self._fleet.add_local_reservation(reservation)
         return reservation

@@ -8,12 +8,14 @@ in-flight counts and link ledgers are replaced by each periodic refresh.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Collection
 
 import msgspec
 
+from policies.types import LinkView
 from router.state_codec import Snapshot
 from router.state_records import (
     UNKNOWN,
@@ -143,6 +145,12 @@ class FleetView:
         self.own_inflight: dict[str, int] = {}
         self.links: dict[tuple[str, str], LinkState] = {}
         self.local_reservations: dict[str, Reservation] = {}
+        # Every turn's ClusterView carries all links (N x (N-1) of them): rebuilt only after
+        # a change, or when a local reservation expires.
+        self._links_changes = 0
+        self._policy_links: tuple[LinkView, ...] = ()
+        self._policy_links_as_of = -1
+        self._policy_links_until = -math.inf
 
     def put_worker(self, record: WorkerRecord) -> None:
         current = self.workers.get(record.worker_id)
@@ -168,14 +176,22 @@ class FleetView:
         current = self.links.get(key)
         if current is None or state.as_of >= current.as_of:
             self.links[key] = state
+            self._links_changes += 1
 
     def set_capacity(self, src: str, dst: str, capacity_bps: float) -> None:
         current = self.links.get((src, dst)) or LinkState(src=src, dst=dst)
         self.links[(src, dst)] = msgspec.structs.replace(current, capacity_bps=capacity_bps)
+        self._links_changes += 1
+
+    def add_local_reservation(self, reservation: Reservation) -> None:
+        """A reservation only this replica knows of (Redis did not take it) until it expires."""
+        self.local_reservations[reservation.id] = reservation
+        self._links_changes += 1
 
     def drop_reservation(self, reservation: Reservation) -> None:
         """Take a released reservation out of the view now, before Redis confirms it."""
         if self.local_reservations.pop(reservation.id, None) is not None:
+            self._links_changes += 1
             return
         current = self.links.get((reservation.src, reservation.dst))
         if current is None or current.reservations == 0:
@@ -187,12 +203,25 @@ class FleetView:
         self.links[(reservation.src, reservation.dst)] = msgspec.structs.replace(
             current, reservations=current.reservations - 1, **changes
         )
+        self._links_changes += 1
+
+    def policy_links(self, now: float) -> tuple[LinkView, ...]:
+        """`link_views(now)` as the policy sees them; the same tuple while nothing changed."""
+        if self._policy_links_as_of != self._links_changes or now >= self._policy_links_until:
+            links = tuple(state.to_view() for state in self.link_views(now).values())
+            self._policy_links, self._policy_links_as_of = links, self._links_changes
+            self._policy_links_until = min(
+                (r.expires_at for r in self.local_reservations.values()), default=math.inf
+            )
+        return self._policy_links
 
     def link_views(self, now: float) -> dict[tuple[str, str], LinkState]:
         views = dict(self.links)
         expired = [r.id for r in self.local_reservations.values() if r.expires_at <= now]
         for reservation_id in expired:
             del self.local_reservations[reservation_id]
+        if expired:
+            self._links_changes += 1
         for r in self.local_reservations.values():
             base = views.get((r.src, r.dst)) or LinkState(src=r.src, dst=r.dst)
             views[(r.src, r.dst)] = msgspec.structs.replace(
@@ -220,3 +249,4 @@ class FleetView:
         for key in [k for k, s in self.links.items() if k not in present]:
             if self.links[key].as_of < snapshot.as_of:
                 del self.links[key]
+                self._links_changes += 1
