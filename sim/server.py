@@ -14,6 +14,7 @@ import aiohttp
 from aiohttp import web
 
 from sim.engine import Engine, EngineConfig, EngineRequest, StepOutput
+from sim.ingest import ingest
 from sim.kv_pull import KvPuller, PullResult
 from sim.metrics import CONTENT_TYPE, WorkerMetrics
 from sim.protocol import (
@@ -23,7 +24,6 @@ from sim.protocol import (
     ParsedRequest,
     ResponseFramer,
     error_body,
-    parse_request,
     usage_dict,
 )
 from sim.realtime import EngineRunner, FabricRunner, ScheduleClock
@@ -155,7 +155,9 @@ class SimWorker:
 
     async def _generate(self, request: web.Request, kind: Kind) -> web.StreamResponse:
         try:
-            parsed = parse_request(await request.read(), kind, self.options.model_name)
+            block_size = self.engine.blocks.block_size
+            ingested = await ingest(await request.read(), kind, self.options.model_name, block_size)
+            parsed = ingested.request
             max_tokens = parsed.max_tokens
             prompt_len = len(parsed.prompt_token_ids)
             if max_tokens is None:
@@ -167,7 +169,7 @@ class SimWorker:
             return _error_response(exc.status, exc.body())
         client_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         engine_id = f"{client_id}-{next(self._ids)}"
-        pull = await self._maybe_pull(parsed, prompt_len)
+        pull = await self._maybe_pull(parsed, prompt_len, ingested.block_hashes)
         hold = bool(parsed.kv_transfer_params and parsed.kv_transfer_params.get("do_remote_decode"))
         stream = _RequestStream()
         self._streams[engine_id] = stream
@@ -181,6 +183,7 @@ class SimWorker:
                 ignore_eos=parsed.ignore_eos,
                 hold_blocks_on_finish=hold,
                 preloaded_tokens=pull.preloaded_tokens if pull else 0,
+                block_hashes=ingested.block_hashes,
             )
         )
         self.runner.wake()
@@ -196,12 +199,14 @@ class SimWorker:
                 self.metrics.observe_abort()
                 self.runner.wake()
 
-    async def _maybe_pull(self, parsed: ParsedRequest, prompt_len: int) -> PullResult | None:
+    async def _maybe_pull(
+        self, parsed: ParsedRequest, prompt_len: int, block_hashes: list[int]
+    ) -> PullResult | None:
         params = parsed.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return None
         assert self._puller is not None
-        hit = self.engine.cached_prefix_tokens(parsed.prompt_token_ids)
+        hit = self.engine.cached_prefix_tokens(parsed.prompt_token_ids, list(block_hashes))
         return await self._puller.pull(params, prompt_len, hit)
 
     def _text(self, engine_id: str, output: StepOutput, index: int) -> str:
