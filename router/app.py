@@ -92,7 +92,7 @@ class Router:
     async def stop(self) -> None:
         pipeline: TurnPipeline | None = getattr(self, "pipeline", None)  # set by start()
         if pipeline is not None:
-            pipeline.settle()
+            pipeline.close()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

@@ -81,6 +81,7 @@ class TurnPipeline:
         # ids unique across replicas and restarts without a system call per turn
         self._id_prefix = os.urandom(8).hex()
         self._id_counter = itertools.count(1)
+        self._running_loop: asyncio.AbstractEventLoop | None = None
         self._unsettled: list[StageEvents] = []
         self._settle_timer: asyncio.TimerHandle | None = None
 
@@ -120,6 +121,13 @@ class TurnPipeline:
             events.done = self._clock.now()
             # a plain reply is written when this returns: the bookkeeping waits for it
             writer.after_sent(lambda: self._finish(ctx, events))
+
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        # asyncio.get_running_loop() costs a getpid() system call on Python 3.11
+        loop = self._running_loop
+        if loop is None:
+            loop = self._running_loop = asyncio.get_running_loop()
+        return loop
 
     def _new_request_id(self) -> str:
         return f"{self._id_prefix}{next(self._id_counter):016x}"
@@ -241,7 +249,7 @@ class TurnPipeline:
         if self._pool.healthy_count() == 0:
             raise RouterError(503, "no healthy worker is available", retry_after_s=1.0)
         if self._unsettled:  # runs once this turn waits on its worker
-            asyncio.get_running_loop().call_soon(self.settle)
+            self._loop().call_soon(self.settle)
         for attempt in range(2):
             decision = self._decide(ctx)
             try:
@@ -262,15 +270,22 @@ class TurnPipeline:
         if ctx is not None:
             self._commit(ctx, events)
         self._unsettled.append(events)
-        if self._settle_timer is None:
-            loop = asyncio.get_running_loop()
-            self._settle_timer = loop.call_later(SETTLE_AFTER_S, self.settle)
+        if self._settle_timer is None:  # left armed when a turn settles first: one per period
+            self._settle_timer = self._loop().call_later(SETTLE_AFTER_S, self._settle_on_time)
 
-    def settle(self) -> None:
-        """Count, learn from and log every finished turn not yet accounted for."""
+    def close(self) -> None:
+        """Settle what is left and stop the timer (the router is stopping)."""
         if self._settle_timer is not None:
             self._settle_timer.cancel()
             self._settle_timer = None
+        self.settle()
+
+    def _settle_on_time(self) -> None:
+        self._settle_timer = None
+        self.settle()
+
+    def settle(self) -> None:
+        """Count, learn from and log every finished turn not yet accounted for."""
         finished, self._unsettled = self._unsettled, []
         for events in finished:
             try:
