@@ -30,10 +30,11 @@ When the best candidate misses the objective the turn is rejected with `retry_af
 served anyway with `on_infeasible=serve`.
 
 `decide` records the placement in the ledgers under the request id (deciding the same turn
-again replaces it, so it returns the same decision); `observe` calibrates the estimates, told
-what the placed prefill leg was assumed to find (a split turn's outcome counts the decode
-leg's cache hit), takes the finished turn's work off the `WorkLedger`, and learns the prefix
-fresh sessions find cached anywhere (`Estimates.shared_prefix_tokens`).
+again replaces it, so it returns the same decision; a split turn's decode leg is counted on
+its decode worker until its prefill is predicted to end, `LegLedger`); `observe` calibrates
+the estimates, told what the placed prefill leg was assumed to find (a split turn's outcome
+counts the decode leg's cache hit), takes the finished turn's work off the `WorkLedger`, and
+learns the prefix fresh sessions find cached anywhere (`Estimates.shared_prefix_tokens`).
 
 The reference is the colocate on the resident worker, or else the best whole-turn candidate.
 `predicted` is relative to it, in ms: interference_ms = the stall ms past the streams' slack
@@ -48,7 +49,7 @@ import math
 from collections.abc import Callable
 
 from policies.adaptive_candidate import TTFT_WEIGHT, Candidate
-from policies.adaptive_ledgers import StallLedger, WorkLedger
+from policies.adaptive_ledgers import LegLedger, StallLedger, WorkLedger
 from policies.adaptive_params import AdaptiveParams as AdaptiveParams
 from policies.adaptive_scoring import Scorer
 from policies.estimates import Estimates, PrefillLeg
@@ -92,6 +93,7 @@ class AdaptivePolicy:
         self._link_index: dict[tuple[str, str], LinkView] = {}
         self._stalls = StallLedger(p.stall_window_s)
         self._work = WorkLedger()
+        self._coming = LegLedger()
         self._now_s = -math.inf  # the latest view's time
         # Fresh sessions' first turns placed whole: what they find cached is shared.
         self._fresh: dict[str, None] = {}
@@ -139,6 +141,7 @@ class AdaptivePolicy:
             prefix=prefix,
             work=self._work,
             max_seqs=p.max_num_seqs,
+            legs=self._coming,
         )
         key = _rank_key(turn)
         # A new answer goes where its KV fits: a full cache preempts the streams running there.
@@ -184,6 +187,14 @@ class AdaptivePolicy:
         self._work.place(
             turn.request_id, None if rejected else best.workers[0], view.now_s, best.work_ms
         )
+        # Its decode leg takes a slot and KV where it goes, unseen until its prefill ends.
+        split = not rejected and len(best.workers) > 1
+        self._coming.place(
+            turn.request_id,
+            best.workers[1] if split else None,
+            view.now_s + best.sent_ms / 1000.0,
+            best.leg_tokens,
+        )
         self._fresh.pop(turn.request_id, None)
         self._legs.pop(turn.request_id, None)
         if not rejected:
@@ -213,6 +224,7 @@ class AdaptivePolicy:
         self.estimates.observe(outcome, leg)
         self._stalls.forget(outcome.request_id)
         self._work.finish(outcome.request_id, self._now_s)
+        self._coming.finish(outcome.request_id)
         if outcome.request_id in self._fresh:
             del self._fresh[outcome.request_id]
             self.estimates.observe_fresh(outcome)

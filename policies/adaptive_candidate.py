@@ -25,9 +25,11 @@ class Candidate:
         "harm_ms",
         "interference_ms",
         "leg",
+        "leg_tokens",
         "misses",
         "queue_ms",
         "risk",
+        "sent_ms",
         "slow_steps",
         "transfer_ms",
         "ttft_ms",
@@ -52,8 +54,13 @@ class Candidate:
         work_ms: float,
         pace: float = 0.0,
         transfer_ms: float = 0.0,
+        sent_ms: float = 0.0,
+        leg_tokens: int = 0,
     ) -> None:
         self.work_ms = work_ms
+        # A split turn's decode leg: sent when its prefill ends, with the KV it adds there.
+        self.sent_ms = sent_ms
+        self.leg_tokens = leg_tokens
         self.action: Action = action
         self.leg = leg
         self.workers = workers

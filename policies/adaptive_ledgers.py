@@ -6,6 +6,7 @@ crowding of a worker: the parts of `policies.adaptive_scoring` that keep state.
 - `kv_crowding`: the misses one more stream costs where it fills a worker's KV cache.
 - `slot_wait_ms`: the wait for a sequence slot where the engine's sequence cap is reached.
 - `WorkLedger`: the prefill work placed on each worker and not yet done.
+- `LegLedger`: the decode legs of split turns placed on each worker and not yet sent there.
 - B(g) = `slow_gap_budget`: the gaps of a g-token answer that may exceed the ITL objective
   while the p99 of its gaps meets it.
 """
@@ -49,28 +50,85 @@ def kv_crowding(worker: WorkerView, streams: float = 1.0) -> float:
     return 0.0 if risk <= 0.0 else KV_FULL_MISSES * min(risk, 1.0)
 
 
-def slot_wait_ms(worker: WorkerView, cap: int, estimates: Estimates, streams: float = 1.0) -> float:
+def slot_wait_ms(
+    worker: WorkerView, cap: int, estimates: Estimates, streams: float = 1.0, coming: int = 0
+) -> float:
     """The wait for room on `worker`: a sequence slot, its engine running at most `cap` (0:
     no cap), and KV for `streams` mean-sized streams' worth of new KV. Each request it holds
     past the cap (running and queued by the scrape, or in flight by the router's count if
-    more) waits for a stream to finish; the KV past full (grown as in `kv_crowding`) waits
-    for streams to free it. Its streams finish, and free their KV, at running / (mean answer
-    x decode step) per second (Little's law)."""
+    more, and the `coming` decode legs not sent yet) waits for a stream to finish; the KV past
+    full (grown as in `kv_crowding`) waits for streams to free it. Its streams finish, and
+    free their KV, at running / (mean answer x decode step) per second (Little's law)."""
     running = worker.running
     if running <= 0:
         return 0.0
     held = running + (worker.waiting if worker.waiting > 0 else 0)
-    held = worker.inflight if worker.inflight > held else held
+    held = (worker.inflight if worker.inflight > held else held) + coming
     past = float(held + 1 - cap) if cap > 0 else 0.0
     usage = worker.kv_usage
     if usage > 0.0:
         # The usage past full, in the running streams' share of the cache each.
-        over = (usage * (held + streams) / running - 1.0) * running / usage
+        over = (usage * (held - coming + streams) / running - 1.0) * running / usage
         past = over if over > past else past
     if past <= 0.0:
         return 0.0
     step = estimates.decode_step_ms(running, estimates.mean_context_tokens, worker.worker_id)
     return past * estimates.mean_completion_tokens * step / running
+
+
+class LegLedger:
+    """The decode legs of the split turns this policy placed, per decode worker, until they
+    are sent there: the router sends a decode leg when its prefill ends, so until then no
+    count of the view (in flight, running, KV usage) holds it, yet it will take a sequence
+    slot and its context's KV there. Each leg is kept with the time its prefill is predicted
+    to end and the tokens it brings; `coming` counts those still due at a time.
+
+    Keyed by request like the other ledgers: placing a request again replaces its leg, and
+    `coming` leaves the asking request's own out; a finished request's leg is dropped."""
+
+    __slots__ = ("_by_worker", "_entries")
+
+    def __init__(self) -> None:
+        self._by_worker: dict[str, dict[str, tuple[float, int]]] = {}  # worker -> request -> leg
+        self._entries: dict[str, str] = {}  # request -> worker
+
+    def place(self, request_id: str, worker: str | None, sent_s: float, tokens: int) -> None:
+        """`request_id`'s decode leg goes to `worker` at `sent_s` with `tokens` of context
+        (None: no split turn)."""
+        self.finish(request_id)
+        if worker is None:
+            return
+        legs = self._by_worker.get(worker)
+        if legs is None:
+            if len(self._by_worker) >= MAX_TRACKED_WORKERS:
+                return
+            legs = self._by_worker[worker] = {}
+        legs[request_id] = (sent_s, tokens)
+        self._entries[request_id] = worker
+        if len(self._entries) > MAX_TRACKED_REQUESTS:
+            for key in list(self._entries)[: MAX_TRACKED_REQUESTS // 4]:
+                self.finish(key)
+
+    def finish(self, request_id: str) -> None:
+        worker = self._entries.pop(request_id, None)
+        if worker is not None:
+            self._by_worker[worker].pop(request_id, None)
+
+    def coming(self, worker: str, now_s: float, exclude: str = "") -> tuple[int, int]:
+        """(legs, their tokens) due on `worker` after `now_s`; those sent since are the
+        router's in-flight legs (their entries are dropped here)."""
+        legs = self._by_worker.get(worker)
+        if not legs:
+            return 0, 0
+        count = tokens = 0
+        for request_id, (sent_s, size) in list(legs.items()):
+            if sent_s <= now_s:
+                del legs[request_id]
+                self._entries.pop(request_id, None)
+            elif request_id != exclude:
+                count += 1
+                tokens += size
+        return count, tokens
 
 
 class StallLedger:

@@ -12,10 +12,11 @@ a g-token answer that may exceed the ITL objective while the p99 of its gaps mee
 
 - queue(w) = max(estimates.queue_wait_ms(q), slot, A): q = waiting + max(0, inflight -
   running - waiting), the requests queued at w plus the in-flight ones its last scrape has not
-  counted; slot = the wait for room there: one of the engine's `max_seqs` sequence slots and
-  the KV the turn adds (`slot_wait_ms`); A = the prefill work this policy placed on w and not
-  yet done (`WorkLedger`, settled by the scrapes; in the compute roof's ms: batched steps pay
-  overhead and weights once).
+  counted; slot = the wait for room there (`slot_wait_ms`): one of the engine's `max_seqs`
+  sequence slots and the KV the turn adds, behind the decode legs of split turns this policy
+  placed on w and not sent yet (`LegLedger`: no count of the view holds them); A = the
+  prefill work this policy placed on w and not yet done (`WorkLedger`, settled by the
+  scrapes; in the compute roof's ms: batched steps pay overhead and weights once).
 - a local prefill of n new tokens after c cached on worker w with R decode streams (none on
   a "prefill" worker; R = the scrape's running, or the router's legs there less the scrape's
   queue where more, at most `max_seqs`: a scrape may be an interval old), in k chunks; step =
@@ -26,15 +27,18 @@ a g-token answer that may exceed the ITL objective while the p99 of its gaps mee
       compute = prefill(n, c) on w alone,  own wait = fused - compute,
       harm ms = R x k x max(0, fused / k + J - max(step, itl))   (stall past their slack),
       harm    = R x s / B(mean answer length observed), s = k when fused / k > itl, else
-                fused / itl x min(1, (fused / k + J - `SLOW_FROM` itl) / ((1 - `SLOW_FROM`)
-                itl)) (a step predicted near the objective is slow as often as it varies):
+                fused / itl x P(N >= ceil((itl - fused / k) / T)), N Poisson with mean J / T,
+                T = the typical prefill (`Estimates.typical_prefill_ms`): the others'
+                prefills join the step at random, and it is slow when more of them come than
+                fit beside this one within the objective:
   each slow step spends one gap of every stream's budget. This turn's objectives stand in
   for the streams' (the view has no other). C is the prefix the worker holds: the resident's
   cached tokens, the prompt of the session's last split turn on the worker that prefilled it,
   else S.
-- exposure: the turn decodes on d for G - 1 gaps of a step at R + 1 streams, while d runs
-  slow steps at the rate its recent placements set (`StallLedger`), and adds the KV it lacks
-  there (`kv_crowding`: misses as the cache nears full):
+- exposure: the turn decodes on d for G - 1 gaps of a step at R' + 1 streams (R' = R and the
+  decode legs on their way there, `LegLedger`), while d runs slow steps at the rate its
+  recent placements set (`StallLedger`), and adds the KV it lacks there, after the KV those
+  legs bring (`kv_crowding`: misses as the cache nears full):
       exposure = rate(d) x (G - 1) x step / B(G) + crowding(d);
   where the turn's own prefill on d is slow (a whole turn), d becomes a host of slow
   prefills: rate(d) is at least the mean rate of the workers hosting them lately.
@@ -47,12 +51,12 @@ Candidates, each with ttft = queue + compute + own wait + H (decode-side terms i
 - whole turn on w (colocate on the resident, else recompute there; colocate for a new
   session): n = U after C on the resident, P - S after S elsewhere; queue(w).
 - handoff p -> d: prefill on p as above, move the tokens d lacks ((P - C) x kv bytes when d is
-  resident, else (P - S) x kv), then one decode step on d with its R + 1 streams;
+  resident, else (P - S) x kv), then one decode step on d with its R' + 1 streams;
   queue = queue(p) + max(0, queue(d) - (the time until the KV arrives)).
 - migrate r -> d: as the router runs it, a handoff from the resident r.
 
 misses = harm + exposure + TTFT risk; cost = misses + `TTFT_WEIGHT` x ((ttft + `WORK_WEIGHT` x
-compute) / objective + pace), pace = the answer's decode step at R + 1 streams on d over the
+compute) / objective + pace), pace = the answer's decode step at R' + 1 streams on d over the
 ITL objective: where nothing is at risk, the faster and cheaper placement wins (GPU time spent
 is time the turns queued behind it wait), and the calmer decode worker. Against the colocated
 reference r, a candidate c wins exactly when I > H + dQ + dC, with I = (harm + exposure)(r) -
@@ -66,8 +70,8 @@ import math
 from collections.abc import Mapping
 
 from policies.adaptive_candidate import Candidate
+from policies.adaptive_ledgers import LegLedger, WorkLedger, kv_crowding, slot_wait_ms
 from policies.adaptive_ledgers import StallLedger as StallLedger
-from policies.adaptive_ledgers import WorkLedger, kv_crowding, slot_wait_ms
 from policies.adaptive_ledgers import slow_gap_budget as slow_gap_budget
 from policies.calibration import queue_ahead
 from policies.estimates import Estimates, PrefillLeg
@@ -75,7 +79,6 @@ from policies.types import Action, ClusterView, LinkView, Turn, WorkerView
 
 LINK_FLOOR_FRACTION = 0.01
 UTILISATION_MAX = 0.9
-SLOW_FROM = 0.8
 
 
 class Scorer:
@@ -92,6 +95,8 @@ class Scorer:
         "_horizon_s",
         "_itl_ms",
         "_kv_bytes",
+        "_legs",
+        "_legs_due",
         "_links",
         "_max_seqs",
         "_now_s",
@@ -123,6 +128,7 @@ class Scorer:
         prefix: tuple[str, int] | None = None,
         work: WorkLedger | None = None,
         max_seqs: int = 0,
+        legs: LegLedger | None = None,
     ) -> None:
         prompt = turn.prompt_tokens if turn.prompt_tokens > 0 else 0
         uncached = min(max(turn.uncached_tokens, 0), prompt)
@@ -147,6 +153,8 @@ class Scorer:
         self._stalls = stalls
         self._work = work
         self._max_seqs = max_seqs
+        self._legs = legs
+        self._legs_due: dict[str, tuple[int, int]] = {}
         self._now_s = view.now_s
         self._request_id = turn.request_id
         self._own_gaps = turn.max_tokens - 1 if turn.max_tokens > 1 else 0
@@ -189,13 +197,14 @@ class Scorer:
         compute, own, harm_ms, slow, share = self._local_prefill(
             prefill, self._prompt - cached, cached
         )
-        nbytes = (self._prompt - self._cached_at(decode.worker_id)) * self._kv_bytes
-        transfer = self.transfer_ms(prefill.worker_id, decode.worker_id, nbytes)
+        lacking = self._prompt - self._cached_at(decode.worker_id)
+        transfer = self.transfer_ms(prefill.worker_id, decode.worker_id, lacking * self._kv_bytes)
         queue = self.queue_ms(prefill)
-        ready = queue + compute + own + transfer
+        sent = queue + compute + own
+        ready = sent + transfer
         decode_queue = self.queue_ms(decode) - ready
         # The first decode step carries this turn's context beside the running streams'.
-        batch = self.streams(decode) + 1
+        batch = self.decode_streams(decode) + 1
         context = ((batch - 1) * self._estimates.mean_context_tokens + self._prompt) / batch
         first_step = self._estimates.decode_step_ms(batch, context, decode.worker_id)
         return Candidate(
@@ -215,6 +224,8 @@ class Scorer:
             ),
             pace=self.pace(decode),
             transfer_ms=transfer,
+            sent_ms=sent,
+            leg_tokens=lacking + self._own_gaps + 1,
         )
 
     def queue_ms(self, worker: WorkerView) -> float:
@@ -222,7 +233,9 @@ class Scorer:
         wait = self._queues.get(wid)
         if wait is None:
             wait = self._estimates.queue_wait_ms(queue_ahead(worker))
-            slot = slot_wait_ms(worker, self._max_seqs, self._estimates, self._streams_of(wid))
+            coming = self._coming(wid)[0]
+            added = self._streams_of(wid)
+            slot = slot_wait_ms(worker, self._max_seqs, self._estimates, added, coming)
             wait = slot if slot > wait else wait
             if self._work is not None:
                 placed = self._work.backlog_ms(wid, self._now_s, self._request_id)
@@ -236,7 +249,7 @@ class Scorer:
         turns onto whichever worker looks a little faster."""
         if self._own_gaps == 0 or not self._itl_ms > 0.0:
             return 0.0
-        batch = self.streams(worker) + 1
+        batch = self.decode_streams(worker) + 1
         estimates = self._estimates
         step = estimates.decode_step_ms(batch, estimates.mean_context_tokens, worker.worker_id)
         return step / self._itl_ms
@@ -256,7 +269,7 @@ class Scorer:
             rate = hosts if hosts > rate else rate
         if rate <= 0.0:
             return crowding
-        batch = self.streams(worker) + 1
+        batch = self.decode_streams(worker) + 1
         step = self._estimates.decode_step_ms(
             batch, self._estimates.mean_context_tokens, worker.worker_id
         )
@@ -291,10 +304,29 @@ class Scorer:
 
     def _streams_of(self, worker_id: str) -> float:
         """The KV this turn adds on the worker (the context not cached there and the
-        answer), in mean-sized streams."""
+        answer) and the decode legs placed there but not sent yet bring, in mean-sized
+        streams."""
         mean = self._estimates.mean_context_tokens
         added = self._prompt - self._cached_at(worker_id) + self._own_gaps + 1
+        added += self._coming(worker_id)[1]
         return added / mean if mean > 1.0 else 1.0
+
+    def _coming(self, worker_id: str) -> tuple[int, int]:
+        """(legs, tokens) of the split turns' decode legs placed on the worker and not sent
+        yet (`LegLedger`)."""
+        coming = self._legs_due.get(worker_id)
+        if coming is None:
+            coming = (0, 0)
+            if self._legs is not None:
+                coming = self._legs.coming(worker_id, self._now_s, self._request_id)
+            self._legs_due[worker_id] = coming
+        return coming
+
+    def decode_streams(self, worker: WorkerView) -> int:
+        """The streams an answer decoded on `worker` joins: those there now and the decode
+        legs on their way (placed by this policy, not sent yet), at most `max_seqs`."""
+        streams = self.streams(worker) + self._coming(worker.worker_id)[0]
+        return self._max_seqs if 0 < self._max_seqs < streams else streams
 
     def streams(self, worker: WorkerView) -> int:
         """The decode streams on `worker` now: the scrape's, or more where the router's legs
@@ -358,9 +390,23 @@ class Scorer:
         slow = chunks if per_step > itl else 0
         if slow:
             return compute, own if own > 0.0 else 0.0, harm_ms, slow, float(slow)
-        # A step predicted near the objective is slow as often as its time (noise, the
-        # prefills that arrive with it) varies: from `SLOW_FROM` x the objective on, and
-        # this prefill's share of it is its own time.
-        likely = ((per_step + joined) / itl - SLOW_FROM) / (1.0 - SLOW_FROM)
-        share = (likely if likely < 1.0 else 1.0) * fused / itl if likely > 0.0 else 0.0
+        # The others' prefills joining the step arrive at random: a Poisson count of typical
+        # prefills, J of work on average; the step is slow when more of them come than fit
+        # in the objective beside this one. This prefill's share of it is its own time.
+        typical = estimates.typical_prefill_ms
+        room = math.ceil((itl - per_step) / typical) if typical > 0.0 else 1
+        share = poisson_tail(joined / typical if typical > 0.0 else 0.0, room) * fused / itl
         return compute, own if own > 0.0 else 0.0, harm_ms, slow, share
+
+
+def poisson_tail(mean: float, count: int) -> float:
+    """P(N >= `count`) for N Poisson-distributed with `mean`."""
+    if count <= 0:
+        return 1.0
+    if not mean > 0.0 or count > mean + 12.0 * math.sqrt(mean) + 12.0:
+        return 0.0  # beyond 12 standard deviations (and a margin for small means)
+    term = below = math.exp(-mean)
+    for k in range(1, count):
+        term *= mean / k
+        below += term
+    return 1.0 - below if below < 1.0 else 0.0
