@@ -9,7 +9,8 @@ from router.http.client import (
     UpstreamResponse,
 )
 from router.http.headers import Headers, Request, Response
-from router.http.server import Handler, HttpServer, StreamWriter
+from router.http.server import Handler, HttpServer
+from router.http.stream import StreamWriter
 
 __all__ = [
     "Handler",

@@ -16,9 +16,9 @@ import pytest
 import uvloop
 from aiohttp import web
 
+from router.http import Handler, HttpServer, StreamWriter
 from router.http.client import UpstreamBodyError, UpstreamConnectError, UpstreamError, UpstreamPool
 from router.http.headers import Request, Response
-from router.http.server import Handler, HttpServer, StreamWriter
 from tests.conftest import free_port
 
 CLOSE: Literal["close"] = "close"
