@@ -9,6 +9,7 @@ crowding of a worker: the parts of `policies.adaptive_scoring` that keep state.
 - `LegLedger`: the decode legs of split turns placed on each worker and not yet sent there.
 - B(g) = `slow_gap_budget`: the gaps of a g-token answer that may exceed the ITL objective
   while the p99 of its gaps meets it.
+- `poisson_tail`: how likely enough other prefills join a step to make it slow.
 """
 
 from __future__ import annotations
@@ -334,3 +335,16 @@ def _decayed_add(
     if at_s >= as_of:
         return total * math.exp((as_of - at_s) / window_s) + amount, at_s
     return total + amount * math.exp((at_s - as_of) / window_s), as_of
+
+
+def poisson_tail(mean: float, count: int) -> float:
+    """P(N >= `count`) for N Poisson-distributed with `mean`."""
+    if count <= 0:
+        return 1.0
+    if not mean > 0.0 or count > mean + 12.0 * math.sqrt(mean) + 12.0:
+        return 0.0  # beyond 12 standard deviations (and a margin for small means)
+    term = below = math.exp(-mean)
+    for k in range(1, count):
+        term *= mean / k
+        below += term
+    return 1.0 - below if below < 1.0 else 0.0

@@ -70,7 +70,7 @@ import math
 from collections.abc import Mapping
 
 from policies.adaptive_candidate import Candidate
-from policies.adaptive_ledgers import LegLedger, WorkLedger, kv_crowding, slot_wait_ms
+from policies.adaptive_ledgers import LegLedger, WorkLedger, kv_crowding, poisson_tail, slot_wait_ms
 from policies.adaptive_ledgers import StallLedger as StallLedger
 from policies.adaptive_ledgers import slow_gap_budget as slow_gap_budget
 from policies.calibration import queue_ahead
@@ -397,16 +397,3 @@ class Scorer:
         room = math.ceil((itl - per_step) / typical) if typical > 0.0 else 1
         share = poisson_tail(joined / typical if typical > 0.0 else 0.0, room) * fused / itl
         return compute, own if own > 0.0 else 0.0, harm_ms, slow, share
-
-
-def poisson_tail(mean: float, count: int) -> float:
-    """P(N >= `count`) for N Poisson-distributed with `mean`."""
-    if count <= 0:
-        return 1.0
-    if not mean > 0.0 or count > mean + 12.0 * math.sqrt(mean) + 12.0:
-        return 0.0  # beyond 12 standard deviations (and a margin for small means)
-    term = below = math.exp(-mean)
-    for k in range(1, count):
-        term *= mean / k
-        below += term
-    return 1.0 - below if below < 1.0 else 0.0

@@ -11,8 +11,8 @@ import pytest
 
 from policies import ClusterView, Handoff, Objectives, Turn, create_policy
 from policies.adaptive import AdaptivePolicy
-from policies.adaptive_ledgers import LegLedger, WorkLedger, slot_wait_ms
-from policies.adaptive_scoring import Scorer, poisson_tail
+from policies.adaptive_ledgers import LegLedger, WorkLedger, poisson_tail, slot_wait_ms
+from policies.adaptive_scoring import Scorer
 from policies.estimates import Estimates
 from policies.types import WorkerView
 from tests.policies.views import w
