@@ -209,6 +209,8 @@ class Router:
         return Response(200 if redis_ok and healthy > 0 else 503, _encode(body))
 
     async def _metrics(self) -> Response:
+        for worker_id, worker in self.pool.workers.items():
+            self.metrics.set_inflight(worker_id, worker.inflight)
         if self.state is not None:
             for (src, dst), link in self.state.link_views().items():
                 self.metrics.set_link(src, dst, link.handoff_bytes, link.migration_bytes)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from policies.types import Turn
+from policies.types import ClusterView, Turn
 from router import adapters
 from router.errors import RouterError, stream_error_frames
 from router.events import StageClock, StageEvents
@@ -49,11 +49,15 @@ class TurnContext:
     events: StageEvents
     headers: dict[str, str]
     prompt_chars: int = 0  # characters of prompt text, for calibrating token estimates
-    usage: Usage | None = None
+    _usage: Usage | None = None
+    # a whole (non-streamed) reply whose usage is read only when someone asks: after the
+    # client has its answer
+    _reply: bytes | None = field(default=None, repr=False)
     failed_midstream: bool = False
     served_by: str | None = None
     # what the decode worker reported moving (simulated workers say so in headers)
     reported_transfer: tuple[int, float] | None = None
+    view: ClusterView | None = field(default=None, repr=False)  # the last decision's
     _body: dict[str, Any] | None = field(default=None, repr=False)
 
     @property
@@ -70,6 +74,21 @@ class TurnContext:
         if self.fields.stream and not self.fields.wants_usage:
             return adapters.encode_body(adapters.with_usage_requested(self.body()))
         return self.raw
+
+    @property
+    def usage(self) -> Usage | None:
+        """The worker's exact token counts for this turn, when it reported them."""
+        if self._reply is not None:
+            self._usage, self._reply = usage_of(self._reply), None
+        return self._usage
+
+    @usage.setter
+    def usage(self, usage: Usage | None) -> None:
+        self._usage, self._reply = usage, None
+
+    def keep_reply(self, body: bytes) -> None:
+        """A whole reply from the worker that served the turn: its usage is read on demand."""
+        self._usage, self._reply = None, body
 
     def echo(self) -> dict[str, str]:
         return {"X-Request-Id": self.request_id, "X-Session-Id": self.session_id}
@@ -127,7 +146,7 @@ class LegRunner:
             except BaseException:
                 upstream.close()  # a client that went away cancels the worker's request
                 raise
-        ctx.usage = usage_of(body)
+        ctx.keep_reply(body)
         now = self._clock.now()
         ctx.events.first_token = ctx.events.first_token or now
         ctx.events.last_token = now
@@ -182,25 +201,22 @@ class LegRunner:
         await ctx.writer.end()
 
     def inflight(self, worker_id: str) -> _Inflight:
-        return _Inflight(self.pool, self._state, self._metrics, worker_id)
+        return _Inflight(self.pool, self._state, worker_id)
 
 
 class _Inflight:
-    """Counts a request on a worker, locally and in the fleet's shared in-flight ledger."""
+    """Counts a request on a worker, locally (router_inflight reads it) and in the fleet's
+    shared in-flight ledger."""
 
-    __slots__ = ("_metrics", "_pool", "_state", "_worker_id")
+    __slots__ = ("_state", "_worker", "_worker_id")
 
-    def __init__(
-        self, pool: WorkerPool, state: SharedState, metrics: RouterMetrics, worker_id: str
-    ) -> None:
-        self._pool, self._state, self._metrics, self._worker_id = pool, state, metrics, worker_id
+    def __init__(self, pool: WorkerPool, state: SharedState, worker_id: str) -> None:
+        self._worker, self._state, self._worker_id = pool.workers[worker_id], state, worker_id
 
     def __enter__(self) -> None:
-        self._pool.workers[self._worker_id].inflight += 1
+        self._worker.inflight += 1
         self._state.add_inflight(self._worker_id, 1)
-        self._metrics.inflight_add(self._worker_id, 1)
 
     def __exit__(self, *exc: object) -> None:
-        self._pool.workers[self._worker_id].inflight -= 1
+        self._worker.inflight -= 1
         self._state.add_inflight(self._worker_id, -1)
-        self._metrics.inflight_add(self._worker_id, -1)

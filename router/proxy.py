@@ -189,11 +189,12 @@ class TurnPipeline:
         if ttft is None:
             ttft = 1000.0 + 0.2 * prompt_tokens
         itl = self._config.slo_itl_ms
+        headers = request.headers
         try:
-            if "x-slo-ttft-ms" in request.headers:
-                ttft = float(request.headers["x-slo-ttft-ms"])
-            if "x-slo-itl-ms" in request.headers:
-                itl = float(request.headers["x-slo-itl-ms"])
+            if (value := headers.get("x-slo-ttft-ms")) is not None:
+                ttft = float(value)
+            if (value := headers.get("x-slo-itl-ms")) is not None:
+                itl = float(value)
         except ValueError as exc:
             raise RouterError(400, f"objective headers must be numbers: {exc}") from exc
         if ttft <= 0 or itl <= 0:
@@ -237,10 +238,7 @@ class TurnPipeline:
             events.prefill_worker, events.decode_worker = decision.source, decision.destination
         elif hasattr(decision, "worker"):
             events.decode_worker = decision.worker
-        decode_view = view.worker(events.decode_worker or "")
-        prefill_view = view.worker(events.prefill_worker or events.decode_worker or "")
-        events.worker_running_at_start = decode_view.running if decode_view else 0
-        events.worker_waiting_at_start = queue_ahead(prefill_view) if prefill_view else 0
+        ctx.view = view  # what the workers looked like is written down after the answer
         if action == "recompute" and ctx.record is not None:
             events.recomputed_tokens = ctx.record.tokens
         return decision
@@ -269,6 +267,8 @@ class TurnPipeline:
         later, while some turn waits on a worker or within `SETTLE_AFTER_S`."""
         if ctx is not None:
             self._commit(ctx, events)
+            if ctx.view is not None:
+                _note_worker_load(ctx.view, events)
         self._unsettled.append(events)
         if self._settle_timer is None:  # left armed when a turn settles first: one per period
             self._settle_timer = self._loop().call_later(SETTLE_AFTER_S, self._settle_on_time)
@@ -354,3 +354,12 @@ class TurnPipeline:
             ctx.session_id, ctx.served_by, tokens, tokens * self._config.kv_bytes_per_token,
             expected,
         )  # fmt: skip
+
+
+def _note_worker_load(view: ClusterView, events: StageEvents) -> None:
+    """The decode worker's running streams and the queue ahead at the prefill worker, as the
+    decision saw them (the policy's observe learns queue waits from these)."""
+    decode_view = view.worker(events.decode_worker or "")
+    prefill_view = view.worker(events.prefill_worker or events.decode_worker or "")
+    events.worker_running_at_start = decode_view.running if decode_view else 0
+    events.worker_waiting_at_start = queue_ahead(prefill_view) if prefill_view else 0

@@ -60,7 +60,7 @@ class Headers(Mapping[str, str]):
     def get(self, name: str, default: _T, /) -> str | _T: ...
     def get(self, name: str, default: object = None, /) -> object:
         value = self._map.get(name)  # callers mostly ask in lower case already
-        if value is None:
+        if value is None and not name.islower():
             value = self._map.get(name.lower())
         return default if value is None else value
 

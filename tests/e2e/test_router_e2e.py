@@ -204,3 +204,21 @@ async def test_completions_endpoint_streams_and_answers_through_the_router(
     assert whole["usage"]["prompt_tokens"] == 4
     assert frames[-1].strip() == b"data: [DONE]"
     assert sum(b'"text":' in frame for frame in frames) == 5
+
+
+async def test_router_inflight_counts_a_turn_while_it_streams(
+    sim4: SimCluster, start_router: StartRouter
+) -> None:
+    router = start_router(*workers_args(sim4.urls[:1]))
+    body = {"prompt": "once upon a time", "max_tokens": 400, "stream": True}
+    inflight = "router_inflight"
+    async with aiohttp.ClientSession() as http:
+        assert await metric_sum(http, router.url, inflight) == 0.0
+        async with http.post(router.url + "/v1/completions", json=body) as response:
+            await response.content.readline()  # the stream has started
+            during = await metric_sum(http, router.url, inflight)
+            frames = [line async for line in response.content if line.startswith(b"data: ")]
+        after = await metric_sum(http, router.url, inflight)
+    assert frames[-1].strip() == b"data: [DONE]"
+    assert during == 1.0
+    assert after == 0.0

@@ -44,7 +44,7 @@ def observe_everything(metrics: RouterMetrics) -> None:
     metrics.ttft(0.21)
     metrics.handoff(0.03)
     metrics.transferred(1 << 30)
-    metrics.inflight_add("d0", 1)
+    metrics.set_inflight("d0", 1)
     metrics.rejected("no_capacity")
     metrics.recomputed(8192)
     metrics.set_degraded(True)
@@ -118,8 +118,8 @@ def test_failed_scrape_keeps_the_last_load_and_clears_healthy() -> None:
     metrics.bind_workers(["d0", "d1"])
     metrics.worker_update("d0", WorkerLoad(3, 1, 0.5, None, None, 1.0), True)
     metrics.worker_update("d0", None, False)
-    metrics.inflight_add("d1", 1)
-    metrics.inflight_add("d1", -1)
+    metrics.set_inflight("d1", 1)
+    metrics.set_inflight("d1", 0)
     get = metrics.registry.get_sample_value
     assert get("router_worker_healthy", {"worker": "d0"}) == 0.0
     assert get("router_worker_running", {"worker": "d0"}) == 3.0
