@@ -137,7 +137,7 @@ def variants(splits: Sequence[int], thresholds: Sequence[int], split: bool = Tru
 
 def trace_workloads(directory: Path, min_turns: int, span_s: float) -> list[Workload]:
     traces = [(name, load_trace(directory / filename)) for name, filename in TRACES]
-    return [Workload(n, TraceSource(t, min_turns, span_s), _needs(t)) for n, t in traces]
+    return [Workload(n, TraceSource(t, min_turns, span_s), needs_of(t)) for n, t in traces]
 
 
 def matrix_workloads(spec: WorkloadSpec, min_turns: int, span_s: float) -> list[Workload]:
@@ -148,7 +148,7 @@ def matrix_workloads(spec: WorkloadSpec, min_turns: int, span_s: float) -> list[
         one = msgspec.structs.replace(spec, name=cell.klass, prompt_tokens=(cell.prompt,),
             output_tokens=(cell.output,), reuse=(cell.reuse,), turns=(cell.turns,))  # fmt: skip
         source = MatrixSource(one, -(-min_turns // cell.turns), span_s)
-        workloads.append(Workload(cell.klass, source, _needs(source.at(1.0))))
+        workloads.append(Workload(cell.klass, source, needs_of(source.at(1.0))))
         multi += [cell.turns] if cell.turns > 1 else []
     if len(multi) > 1:
         whole = msgspec.structs.replace(spec, name="mixed-multi-turn", reuse=("multi-turn",))
@@ -157,7 +157,7 @@ def matrix_workloads(spec: WorkloadSpec, min_turns: int, span_s: float) -> list[
     return workloads
 
 
-def _needs(trace: Trace) -> float:
+def needs_of(trace: Trace) -> float:
     return MULTI_TURN_NEEDS if any(len(c.turns) > 1 for c in trace.conversations) else 1.0
 
 

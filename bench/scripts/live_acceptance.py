@@ -1,0 +1,154 @@
+"""Acceptance of `adaptive` (issue 3), live: max goodput searches through the real router.
+
+The live counterpart of `bench.scripts.acceptance`: for each recorded trace, every variant
+gets a max-goodput search (90% good) with `bench compare --find-max-goodput` machinery, each
+probe a fresh simulated cluster, router and embedded Redis in real time, the trace's first
+`--limit` turns at a scaled arrival rate. Verdicts as in the simulator's acceptance: adaptive's
+max goodput against the best baseline's, 1.0x or 1.2x for multi-turn traces.
+
+A live probe runs the workers, router and client on this machine in real time, so only what
+the machine can carry is measured here (small clusters, recorded traces); the workload matrix's
+classes, hundreds of requests per second on 8 GPUs, are the simulator's. `--variants` picks
+labels (e.g. the split and threshold the simulator found best) to keep a run within minutes.
+
+    .venv/bin/python -m bench.scripts.live_acceptance --traces azure-conv \\
+        --cluster 4xh200-sxm/llama-3.1-8b --limit 300 --out bench-out/live-acceptance
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+
+from bench.compare import CompareSpec, compare
+from bench.layout import ClusterSpec
+from bench.scripts.acceptance import (
+    TRACES,
+    Measured,
+    Offered,
+    TraceSource,
+    Variant,
+    Verdict,
+    Workload,
+    needs_of,
+    render,
+    variants,
+    verdict,
+)
+from bench.simulate import GOODPUT_TARGET
+from bench.traces import Trace, load_trace
+
+
+def spec_of(variant: Variant, cluster: ClusterSpec, limit: int, tolerance: float) -> CompareSpec:
+    """The one-policy live comparison that searches `variant`'s max goodput."""
+    params = {variant.policy: variant.params} if variant.params else {}
+    return CompareSpec(
+        policies=(variant.policy,), cluster=cluster, limit=limit, policy_params=params,
+        prefill_workers=None if variant.mixed else variant.prefill_workers,
+        find_max_goodput=True, goodput_tolerance=tolerance,
+    )  # fmt: skip
+
+
+async def search(
+    trace: Trace, variant: Variant, cluster: ClusterSpec, limit: int, tolerance: float, out: Path
+) -> Measured:
+    """`variant`'s live max goodput on `trace` (0 when even the first probe failed)."""
+    sliced = trace.slice(limit)
+    base_rps = sliced.num_turns / max(sliced.duration_s, 1e-9)
+    summary = await compare(trace, spec_of(variant, cluster, limit, tolerance), out)
+    probes = [
+        Offered(r.rate_scale, r.slo_attainment, r.requests, base_rps * r.rate_scale)
+        for r in summary.runs
+    ]
+    passed = [p.rate_scale for p in probes if p.attainment >= GOODPUT_TARGET]
+    failed = [p.rate_scale for p in probes if p.attainment < GOODPUT_TARGET]
+    best = max(passed, default=None)
+    failing = [scale for scale in failed if best is None or scale > best]
+    best_run = next((r for r in summary.runs if r.rate_scale == best), None)
+    return Measured(
+        label=variant.label, best_scale=best, failing_scale=min(failing, default=None),
+        max_goodput_rps=0.0 if best is None else best * base_rps, probes=probes, best=best_run,
+    )  # fmt: skip
+
+
+def chosen(all_variants: list[Variant], labels: str) -> list[Variant]:
+    """The variants named in `labels` (comma-separated; empty: all), adaptive always."""
+    wanted = {label.strip() for label in labels.split(",") if label.strip()}
+    known = {v.label for v in all_variants}
+    unknown = wanted - known
+    if unknown:
+        raise SystemExit(f"unknown variants {sorted(unknown)}; known: {sorted(known)}")
+    return [v for v in all_variants if not wanted or v.label in wanted or v.label == "adaptive"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="adaptive's acceptance figures, live")
+    add = parser.add_argument
+    add("--traces-dir", type=Path, default=Path("/work/shared/traces"))
+    add(
+        "--traces",
+        default="azure-conv,azure-code",
+        help="names: " + ", ".join(n for n, _ in TRACES),
+    )
+    add("--cluster", default="4xh200-sxm/llama-3.1-8b")
+    add("--limit", type=int, default=300, help="turns of each trace every probe replays")
+    add("--splits", default="1,2", help="disaggregate prefill workers")
+    add("--thresholds", default="256,1024,4096")
+    add("--variants", default="", help="comma-separated labels to search (default all)")
+    add("--tolerance", type=float, default=0.1, help="search bracket ratio")
+    add("--out", type=Path, default=Path("bench-out/live-acceptance"))
+    return parser
+
+
+async def _main(args: argparse.Namespace) -> list[Verdict]:
+    cluster = ClusterSpec.parse(args.cluster)
+    splits = [int(k) for k in args.splits.split(",") if k.strip()]
+    thresholds = [int(t) for t in args.thresholds.split(",") if t.strip()]
+    contenders = chosen(variants(splits, thresholds, split=False), args.variants)
+    files = dict(TRACES)
+    verdicts = []
+    for name in (n.strip() for n in args.traces.split(",") if n.strip()):
+        if name not in files:
+            raise SystemExit(f"unknown trace {name!r}; known: {', '.join(files)}")
+        trace = load_trace(args.traces_dir / files[name])
+        measured = []
+        for variant in contenders:
+            started = time.monotonic()
+            out = args.out / name / variant.label.replace(" ", "-").replace("=", "")
+            found = await search(trace, variant, cluster, args.limit, args.tolerance, out)
+            measured.append(found)
+            print(f"{name} / {variant.label}: {found.max_goodput_rps:.3g} req/s "
+                  f"({time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True)  # fmt: skip
+        workload = Workload(name, TraceSource(trace, args.limit, 0.0), needs_of(trace))
+        verdicts.append(verdict(workload, measured))
+    return verdicts
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    started = time.monotonic()
+    verdicts = asyncio.run(_main(args))
+    command = "python -m bench.scripts.live_acceptance " + " ".join(argv or sys.argv[1:])
+    notes = [
+        f"Live: simulated workers ({args.cluster}), the router and the replay client in real "
+        f"time on this machine; each probe a fresh stack replaying the first {args.limit} "
+        "turns of the trace at a scaled rate; adaptive and colocate on mixed workers, the "
+        "splitting baselines on K prefill + the rest decode workers.",
+        f"Search tolerance {args.tolerance:g}. {time.monotonic() - started:.0f} s wall clock.",
+    ]
+    args.out.mkdir(parents=True, exist_ok=True)
+    encoded = msgspec.json.format(msgspec.json.encode(verdicts))
+    (args.out / "live-acceptance.json").write_bytes(encoded)
+    (args.out / "live-acceptance.md").write_text(text := render(verdicts, command, notes), "utf-8")
+    print(text)
+    return 0 if all(v.passed for v in verdicts) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
