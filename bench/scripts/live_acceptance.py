@@ -1,9 +1,10 @@
 """Acceptance of `adaptive` (issue 3), live: max goodput searches through the real router.
 
 The live counterpart of `bench.scripts.acceptance`: for each recorded trace, every variant
-gets a max-goodput search (90% good) with `bench compare --find-max-goodput` machinery, each
-probe a fresh simulated cluster, router and embedded Redis in real time, the trace's first
-`--limit` turns at a scaled arrival rate. Verdicts as in the simulator's acceptance: adaptive's
+gets a max-goodput search (90% good) with `bench compare`'s machinery, each probe a fresh
+simulated cluster, router and embedded Redis in real time replaying `--span-s` seconds of the
+trace's scaled arrivals (a fixed number of turns replayed ever faster would become one burst
+the cluster absorbs whole). Verdicts as in the simulator's acceptance: adaptive's
 max goodput against the best baseline's, 1.0x or 1.2x for multi-turn traces.
 
 A live probe runs the workers, router and client on this machine in real time, so only what
@@ -12,7 +13,7 @@ classes, hundreds of requests per second on 8 GPUs, are the simulator's. `--vari
 labels (e.g. the split and threshold the simulator found best) to keep a run within minutes.
 
     .venv/bin/python -m bench.scripts.live_acceptance --traces azure-conv \\
-        --cluster 4xh200-sxm/llama-3.1-8b --limit 300 --out bench-out/live-acceptance
+        --cluster 2xh200-sxm/llama-3.1-8b --span-s 20 --out bench-out/live-acceptance
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ from pathlib import Path
 
 import msgspec
 
-from bench.compare import CompareSpec, compare
+from bench.compare import CompareSpec, plan, run_policy
+from bench.des.goodput import GoodputSearch, goodput_search
 from bench.layout import ClusterSpec
+from bench.metrics import RunSummary
 from bench.scripts.acceptance import (
     TRACES,
     Measured,
@@ -42,38 +45,50 @@ from bench.scripts.acceptance import (
     verdict,
 )
 from bench.simulate import GOODPUT_TARGET
-from bench.traces import Trace, load_trace
+from bench.traces import load_trace
 
 
-def spec_of(variant: Variant, cluster: ClusterSpec, limit: int, tolerance: float) -> CompareSpec:
-    """The one-policy live comparison that searches `variant`'s max goodput."""
+def spec_of(variant: Variant, cluster: ClusterSpec, tolerance: float) -> CompareSpec:
+    """The one-policy live comparison whose probes search `variant`'s max goodput."""
     params = {variant.policy: variant.params} if variant.params else {}
     return CompareSpec(
-        policies=(variant.policy,), cluster=cluster, limit=limit, policy_params=params,
+        policies=(variant.policy,), cluster=cluster, policy_params=params,
         prefill_workers=None if variant.mixed else variant.prefill_workers,
         find_max_goodput=True, goodput_tolerance=tolerance,
     )  # fmt: skip
 
 
 async def search(
-    trace: Trace, variant: Variant, cluster: ClusterSpec, limit: int, tolerance: float, out: Path
+    source: TraceSource, variant: Variant, spec: CompareSpec, start: float, out: Path
 ) -> Measured:
-    """`variant`'s live max goodput on `trace` (0 when even the first probe failed)."""
-    sliced = trace.slice(limit)
-    base_rps = sliced.num_turns / max(sliced.duration_s, 1e-9)
-    summary = await compare(trace, spec_of(variant, cluster, limit, tolerance), out)
-    probes = [
-        Offered(r.rate_scale, r.slo_attainment, r.requests, base_rps * r.rate_scale)
-        for r in summary.runs
-    ]
-    passed = [p.rate_scale for p in probes if p.attainment >= GOODPUT_TARGET]
-    failed = [p.rate_scale for p in probes if p.attainment < GOODPUT_TARGET]
-    best = max(passed, default=None)
-    failing = [scale for scale in failed if best is None or scale > best]
-    best_run = next((r for r in summary.runs if r.rate_scale == best), None)
+    """`variant`'s live max goodput: the arrival rate of its highest passing probe (0 when
+    none passed), each probe a fresh stack replaying `source` at that scale."""
+    (stack,) = plan(spec, out)
+    searcher = goodput_search(GOODPUT_TARGET, start=start, tolerance=spec.goodput_tolerance)
+    probes: list[Offered] = []
+    summaries: dict[float, RunSummary] = {}
+    scale = next(searcher)
+    while True:
+        trace = source.at(scale)
+        run = await run_policy(trace, msgspec.structs.replace(spec, rate_scale=scale), stack,
+                               False, None)  # fmt: skip
+        attainment = run.summary.slo_attainment
+        rps = trace.num_turns * scale / max(trace.duration_s, 1e-9)
+        probes.append(Offered(scale, attainment, trace.num_turns, rps))
+        summaries[scale] = run.summary
+        print(f"  {variant.label} @ {scale:.4g}x ({trace.num_turns} turns, {rps:.3g}/s): "
+              f"{attainment:.1%} good; {'; '.join(run.notes)}", file=sys.stderr,
+              flush=True)  # fmt: skip
+        try:
+            scale = searcher.send(attainment)
+        except StopIteration as done:
+            found: GoodputSearch = done.value
+            break
+    best = found.best_scale
     return Measured(
-        label=variant.label, best_scale=best, failing_scale=min(failing, default=None),
-        max_goodput_rps=0.0 if best is None else best * base_rps, probes=probes, best=best_run,
+        label=variant.label, best_scale=best, failing_scale=found.failing_scale,
+        max_goodput_rps=next((p.rps for p in probes if p.rate_scale == best), 0.0),
+        probes=probes, best=summaries.get(best) if best is not None else None,
     )  # fmt: skip
 
 
@@ -97,7 +112,9 @@ def _parser() -> argparse.ArgumentParser:
         help="names: " + ", ".join(n for n, _ in TRACES),
     )
     add("--cluster", default="4xh200-sxm/llama-3.1-8b")
-    add("--limit", type=int, default=300, help="turns of each trace every probe replays")
+    add("--span-s", type=float, default=20.0, help="seconds of scaled arrivals a probe replays")
+    add("--min-turns", type=int, default=200, help="turns a probe replays at least")
+    add("--start", type=float, default=4.0, help="rate scale the searches start at")
     add("--splits", default="1,2", help="disaggregate prefill workers")
     add("--thresholds", default="256,1024,4096")
     add("--variants", default="", help="comma-separated labels to search (default all)")
@@ -117,15 +134,17 @@ async def _main(args: argparse.Namespace) -> list[Verdict]:
         if name not in files:
             raise SystemExit(f"unknown trace {name!r}; known: {', '.join(files)}")
         trace = load_trace(args.traces_dir / files[name])
+        source = TraceSource(trace, args.min_turns, args.span_s)
         measured = []
         for variant in contenders:
             started = time.monotonic()
             out = args.out / name / variant.label.replace(" ", "-").replace("=", "")
-            found = await search(trace, variant, cluster, args.limit, args.tolerance, out)
+            spec = spec_of(variant, cluster, args.tolerance)
+            found = await search(source, variant, spec, args.start, out)
             measured.append(found)
             print(f"{name} / {variant.label}: {found.max_goodput_rps:.3g} req/s "
                   f"({time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True)  # fmt: skip
-        workload = Workload(name, TraceSource(trace, args.limit, 0.0), needs_of(trace))
+        workload = Workload(name, source, needs_of(trace))
         verdicts.append(verdict(workload, measured))
     return verdicts
 
@@ -137,9 +156,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = "python -m bench.scripts.live_acceptance " + " ".join(argv or sys.argv[1:])
     notes = [
         f"Live: simulated workers ({args.cluster}), the router and the replay client in real "
-        f"time on this machine; each probe a fresh stack replaying the first {args.limit} "
-        "turns of the trace at a scaled rate; adaptive and colocate on mixed workers, the "
-        "splitting baselines on K prefill + the rest decode workers.",
+        f"time on this machine; each probe a fresh stack replaying {args.span_s:g} s of the "
+        f"trace's scaled arrivals (at least {args.min_turns} turns), as the simulator's "
+        "acceptance does; adaptive and colocate on mixed workers, the splitting baselines on "
+        "K prefill + the rest decode workers.",
         f"Search tolerance {args.tolerance:g}. {time.monotonic() - started:.0f} s wall clock.",
     ]
     args.out.mkdir(parents=True, exist_ok=True)

@@ -31,8 +31,8 @@ def test_each_variant_searches_its_own_policy_layout_and_parameters(
     tmp_path: Path,
 ) -> None:  # fmt: skip
     (variant,) = [v for v in ALL if v.label == label]
-    spec = spec_of(variant, CLUSTER, limit=300, tolerance=0.1)
-    assert spec.find_max_goodput and spec.limit == 300 and spec.policies == (policy,)
+    spec = spec_of(variant, CLUSTER, tolerance=0.1)
+    assert spec.policies == (policy,) and spec.goodput_tolerance == 0.1
     (stack,) = plan(spec, tmp_path)
     assert stack.policy == policy
     assert stack.roles == roles
