@@ -61,8 +61,8 @@ def spec_of(variant: Variant, cluster: ClusterSpec, tolerance: float) -> Compare
 async def search(
     source: TraceSource, variant: Variant, spec: CompareSpec, start: float, out: Path
 ) -> Measured:
-    """`variant`'s live max goodput: the arrival rate of its highest passing probe (0 when
-    none passed), each probe a fresh stack replaying `source` at that scale."""
+    """`variant`'s live max goodput: its highest passing scale times the whole trace's mean
+    arrival rate (0 when no probe passed), each probe a fresh stack replaying `source`."""
     (stack,) = plan(spec, out)
     searcher = goodput_search(GOODPUT_TARGET, start=start, tolerance=spec.goodput_tolerance)
     probes: list[Offered] = []
@@ -85,9 +85,13 @@ async def search(
             found: GoodputSearch = done.value
             break
     best = found.best_scale
+    # By scale: every variant replays the same windows, but a window's own arrival rate is
+    # no measure when the trace's density varies along it (a short window can be a burst)
+    whole = source.trace
+    base_rps = whole.num_turns / max(whole.duration_s, 1e-9)
     return Measured(
         label=variant.label, best_scale=best, failing_scale=found.failing_scale,
-        max_goodput_rps=next((p.rps for p in probes if p.rate_scale == best), 0.0),
+        max_goodput_rps=0.0 if best is None else best * base_rps,
         probes=probes, best=summaries.get(best) if best is not None else None,
     )  # fmt: skip
 
