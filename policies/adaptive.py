@@ -21,11 +21,12 @@ meet where it decodes (exposure, from the `StallLedger` of recent placements,
 objective (its queue: the larger of the learned wait behind the queue depth and the placed
 work ahead); where nothing is at risk, the faster placement that takes less GPU time wins.
 Choice: the candidate that meets the turn's own objectives (its TTFT, and its ITL: an
-exposure below one slow gap over its budget) at the least cost (which is I > H + dQ + dC
-against the colocated reference; a placement off the resident worker must win by
-`SEPARATION_MARGIN`); then the lower cost among those that miss them; ties go to colocate,
-handoff, migrate, recompute in that order, then to the lower worker ids, so the decision
-depends only on the view, the estimates and the ledgers, never on the order of the workers.
+exposure below one slow gap over its budget; for a returning session, at a harm within one
+expected miss of the reference's), at the least cost (I > H + dQ + dC against the colocated
+reference; off the resident worker it must win by `SEPARATION_MARGIN`); then the lower cost
+among the others; ties go to colocate, handoff, migrate, recompute, then to the lower worker
+ids: the decision depends only on the view, the estimates and the ledgers, never on the order
+of the workers.
 When the best candidate misses the objective the turn is rejected with `retry_after_s`, or
 served anyway with `on_infeasible=serve`.
 
@@ -174,7 +175,7 @@ class AdaptivePolicy:
                 if decode is not prefill:
                     candidates.append(scorer.handoff(prefill, decode))
         if resident is not None:
-            key = _rank_key(turn, reference)
+            key = _rank_key(turn, reference, reference.harm)
         best = min(candidates, key=key)
         predicted = _prediction(best, reference)
         objective = turn.objectives.ttft_ms
@@ -231,19 +232,21 @@ class AdaptivePolicy:
 
 
 def _rank_key(
-    turn: Turn, reference: Candidate | None = None
+    turn: Turn, reference: Candidate | None = None, usual_harm: float = math.inf
 ) -> Callable[[Candidate], tuple[bool, float, int, tuple[str, ...]]]:
-    """Meets the turn's own objectives first (its TTFT, and its ITL: fewer slow gaps
-    expected where it decodes than its budget, `Candidate.exposure` < 1), then the lower
-    cost; a candidate other than the colocated `reference` must win by `SEPARATION_MARGIN`
-    (what the model leaves out: a turn moved off its resident worker moves load and cache
-    with it, its gain is an estimate)."""
+    """Meets the turn's own objectives first (its TTFT, and its ITL: fewer slow gaps expected
+    where it decodes than its budget, `Candidate.exposure` < 1) at a harm within one miss of
+    `usual_harm`, the colocated reference's (that saves one turn: costing the streams beside
+    its prefill more saves nothing), then the lower cost; a candidate other than `reference`
+    must win by `SEPARATION_MARGIN` (what the model leaves out: a turn moved off its resident
+    worker moves load and cache with it, its gain is an estimate)."""
     objective = turn.objectives.ttft_ms
+    harmful = usual_harm + 1.0
 
     def key(candidate: Candidate) -> tuple[bool, float, int, tuple[str, ...]]:
         margin = 0.0 if reference is None or candidate is reference else SEPARATION_MARGIN
         return (
-            candidate.ttft_ms > objective or candidate.exposure >= 1.0,
+            candidate.ttft_ms > objective or candidate.exposure >= 1.0 or candidate.harm >= harmful,
             candidate.cost + margin,
             _TIE_ORDER[candidate.action],
             candidate.workers,

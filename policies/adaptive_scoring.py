@@ -52,7 +52,8 @@ Candidates, each with ttft = queue + compute + own wait + H (decode-side terms i
   session): n = U after C on the resident, P - S after S elsewhere; queue(w).
 - handoff p -> d: prefill on p as above, move the tokens d lacks ((P - C) x kv bytes when d is
   resident, else (P - S) x kv), then one decode step on d with its R' + 1 streams;
-  queue = queue(p) + max(0, queue(d) - (the time until the KV arrives)).
+  queue = queue(p) + max(slot(d), queue(d) - (the time until the KV arrives)): d's queue
+  drains meanwhile, but a full worker stays full as turns keep coming (its slot wait stays).
 - migrate r -> d: as the router runs it, a handoff from the resident r.
 
 misses = harm + exposure + TTFT risk; cost = misses + `TTFT_WEIGHT` x ((ttft + `WORK_WEIGHT` x
@@ -109,6 +110,7 @@ class Scorer:
         "_request_id",
         "_resident",
         "_shared",
+        "_slots",
         "_stalls",
         "_stream_budget",
         "_uncached_resident",
@@ -149,6 +151,7 @@ class Scorer:
         self._horizon_s = horizon_s
         self._default_bps = default_bps
         self._queues: dict[str, float] = {}
+        self._slots: dict[str, float] = {}
         self._links = links
         self._stalls = stalls
         self._work = work
@@ -203,6 +206,8 @@ class Scorer:
         sent = queue + compute + own
         ready = sent + transfer
         decode_queue = self.queue_ms(decode) - ready
+        slot = self._slots[decode.worker_id]
+        decode_queue = slot if slot > decode_queue else decode_queue
         # The first decode step carries this turn's context beside the running streams'.
         batch = self.decode_streams(decode) + 1
         context = ((batch - 1) * self._estimates.mean_context_tokens + self._prompt) / batch
@@ -236,6 +241,7 @@ class Scorer:
             coming = self._coming(wid)[0]
             added = self._streams_of(wid)
             slot = slot_wait_ms(worker, self._max_seqs, self._estimates, added, coming)
+            self._slots[wid] = slot
             wait = slot if slot > wait else wait
             if self._work is not None:
                 placed = self._work.backlog_ms(wid, self._now_s, self._request_id)
@@ -244,9 +250,8 @@ class Scorer:
         return wait
 
     def pace(self, worker: WorkerView) -> float:
-        """The answer's decode step on `worker` beside its streams, over the ITL objective:
-        where nothing is at risk, the calmer worker decodes faster, and a tie otherwise herds
-        turns onto whichever worker looks a little faster."""
+        """The answer's decode step on `worker` beside its streams, over the ITL objective: the
+        calmer worker decodes faster (a tie would herd turns onto whichever looks faster)."""
         if self._own_gaps == 0 or not self._itl_ms > 0.0:
             return 0.0
         batch = self.decode_streams(worker) + 1
@@ -289,12 +294,8 @@ class Scorer:
         measured = self._estimates.link_bps(src, dst)
         if link is None:
             return nbytes * 1000.0 / (measured if measured is not None else self._default_bps)
-        if link.capacity_bps > 0.0:
-            rate = link.capacity_bps
-        elif link.observed_bps > 0.0:
-            rate = link.observed_bps
-        else:
-            rate = self._default_bps
+        rate = link.capacity_bps if link.capacity_bps > 0.0 else link.observed_bps
+        rate = rate if rate > 0.0 else self._default_bps
         if measured is not None and measured < rate:
             rate = measured
         busy = (max(link.bytes_in_flight, 0) + max(link.reserved_bytes, 0)) / self._horizon_s
@@ -303,9 +304,8 @@ class Scorer:
         return (latency_s + nbytes / available) * 1000.0
 
     def _streams_of(self, worker_id: str) -> float:
-        """The KV this turn adds on the worker (the context not cached there and the
-        answer) and the decode legs placed there but not sent yet bring, in mean-sized
-        streams."""
+        """The KV this turn (the context not cached there, the answer) and the decode legs
+        placed on the worker but not sent yet add there, in mean-sized streams."""
         mean = self._estimates.mean_context_tokens
         added = self._prompt - self._cached_at(worker_id) + self._own_gaps + 1
         added += self._coming(worker_id)[1]

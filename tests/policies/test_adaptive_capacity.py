@@ -8,13 +8,22 @@ from __future__ import annotations
 
 import pytest
 
-from policies import ClusterView, Colocate, Handoff, Objectives, Turn, create_policy
+from policies import (
+    ClusterView,
+    Colocate,
+    Handoff,
+    Objectives,
+    Reject,
+    Residency,
+    Turn,
+    create_policy,
+)
 from policies.adaptive import AdaptivePolicy, _rank_key
 from policies.adaptive_candidate import Candidate
 from policies.adaptive_ledgers import WorkLedger, slot_wait_ms
 from policies.adaptive_scoring import Scorer
 from policies.estimates import Estimates, PrefillLeg
-from policies.types import WorkerView
+from policies.types import Action, WorkerView
 from tests.policies.views import w
 
 
@@ -201,3 +210,69 @@ def _turn_with_ttft(ttft_ms: float) -> Turn:
         session_id="s", request_id="r", prompt_tokens=6000, uncached_tokens=6000,
         max_tokens=512, arrival_s=10.0, objectives=Objectives(ttft_ms=ttft_ms, itl_ms=100.0),
     )  # fmt: skip
+
+
+# (expected misses a candidate meeting its own TTFT objective costs the streams beside its
+# prefill, those the colocated reference, late, costs them, which one ranks first)
+OTHERS_HARM = [
+    (0.0, 0.0, "meets"),
+    (0.9, 0.0, "meets"),
+    (1.5, 0.0, "late"),
+    (24.0, 0.0, "late"),
+    (24.0, 23.5, "meets"),  # within one miss of what colocating costs them
+]
+
+
+@pytest.mark.parametrize(("harm", "usual", "first"), OTHERS_HARM)
+def test_a_turn_on_time_at_a_miss_more_of_the_others_does_not_meet_its_objectives(
+    harm: float, usual: float, first: str
+) -> None:
+    def candidate(action: Action, ttft_ms: float, harm: float) -> Candidate:
+        return Candidate(
+            action, ("m1",), 2000.0, queue_ms=ttft_ms - 100.0, compute_ms=100.0,
+            own_wait_ms=0.0, harm_ms=0.0, harm=harm, exposure=0.0, slow_steps=0,
+            leg=PrefillLeg(0, 0), work_ms=100.0,
+        )  # fmt: skip
+
+    # Recomputed on another worker in time at that harm, or colocated late where it lives.
+    meets, late = candidate("recompute", 1000.0, harm), candidate("colocate", 2500.0, usual)
+    key = _rank_key(_turn_with_ttft(2000.0), late, late.harm)
+    assert min((meets, late), key=key) is (meets if first == "meets" else late)
+    # Without a reference harm (a new session's reference is being chosen) no gate applies.
+    assert min((meets, late), key=_rank_key(_turn_with_ttft(2000.0))) is meets
+
+
+def test_a_decode_leg_waits_for_room_on_a_full_worker_even_behind_a_long_prefill_queue() -> None:
+    # The decode worker is at its sequence cap with turns queued: it stays full while turns
+    # keep coming, so the wait for a slot there does not drain while the prefill waits.
+    prefill = w("m1", running=100, waiting=30, inflight=130)
+    full = w("m2", running=256, waiting=20, inflight=276, kv_usage=0.5)
+    t = turn(512)
+    score = scorer(t, (prefill, full))
+    handoff = score.handoff(prefill, full)
+    slot = slot_wait_ms(full, 256, Estimates.from_presets(), score._streams_of("m2"))
+    assert slot > 0.0
+    assert handoff.queue_ms == pytest.approx(score.queue_ms(prefill) + slot)
+    # A decode worker with room adds no wait of its own behind that queue.
+    roomy = w("m3", running=100, inflight=100, kv_usage=0.3)
+    calm = scorer(t, (prefill, roomy))
+    assert calm.handoff(prefill, roomy).queue_ms == pytest.approx(calm.queue_ms(prefill))
+
+
+def test_a_full_resident_is_not_escaped_by_a_recompute_that_stalls_many_streams() -> None:
+    # The resident is at its sequence cap with turns queued: colocated, the turn misses its
+    # TTFT objective. Recomputed on the other worker it would meet it, but its whole context
+    # prefilled there makes a step past the ITL objective for the 200 streams running there:
+    # more misses than the one turn saved. Nothing else meets the objective: rejected.
+    policy = create_policy("adaptive", {})
+    resident = w("m1", running=256, waiting=40, inflight=296, kv_usage=0.6)
+    other = w("m2", running=200, inflight=200, kv_usage=0.5)
+    t = Turn(
+        session_id="s", request_id="r", prompt_tokens=3584, uncached_tokens=512,
+        max_tokens=512, arrival_s=10.0, objectives=Objectives(ttft_ms=1717.0, itl_ms=100.0),
+    )  # fmt: skip
+    view = ClusterView(
+        now_s=10.0, workers=(resident, other), residency=Residency("m1", 3072, 3072 * 131072, 1)
+    )
+    decision = policy.decide(t, view)
+    assert isinstance(decision, Reject), decision
