@@ -80,8 +80,7 @@ class Router:
         self.scraper.start()
         await self._refresh_models()
         self._tasks.append(asyncio.create_task(self._models_loop()))
-        legs = LegRunner(self.pool, self.state, self.metrics, self.clock,
-                         self._on_upstream_error)  # fmt: skip
+        legs = LegRunner(self.pool, self.state, self.clock, self._on_upstream_error)
         executor = Executor(config, legs, self.state, self.clock)
         self.pipeline = TurnPipeline(
             config, self.pool, self.state, self.policy, self.metrics, self.events, executor,

@@ -17,7 +17,6 @@ from router import adapters
 from router.errors import RouterError, stream_error_frames
 from router.events import StageClock, StageEvents
 from router.http import Response, StreamWriter, UpstreamError, UpstreamResponse
-from router.metrics import RouterMetrics
 from router.relay import RelayResult, StreamRelay, Usage, usage_of
 from router.state import SessionRecord, SharedState
 from router.turn_fields import RoutingFields
@@ -101,13 +100,11 @@ class LegRunner:
         self,
         pool: WorkerPool,
         state: SharedState,
-        metrics: RouterMetrics,
         clock: StageClock,
         on_upstream_error: Callable[[str, str], None],
     ) -> None:
         self.pool = pool
         self._state = state
-        self._metrics = metrics
         self._clock = clock
         self.on_upstream_error = on_upstream_error
 

@@ -73,6 +73,9 @@ class GaugeCells(_ScalarCells):
     def add(self, key: LabelValues, delta: float) -> None:
         self.values[key] = self.values.get(key, 0.0) + delta
 
+    def set(self, key: LabelValues, value: float) -> None:
+        self.values[key] = value
+
 
 class HistogramCells(_Family):
     """A histogram family: per label values, a count per bucket (not cumulative) and a sum."""

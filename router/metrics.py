@@ -165,7 +165,7 @@ class RouterMetrics:
         """Create the per-worker children now, so every worker shows from the first scrape."""
         for worker_id in worker_ids:
             self._worker_children(worker_id)
-            self.inflight.values[(worker_id,)] = 0.0
+            self.inflight.set((worker_id,), 0.0)
 
     # --- request path -------------------------------------------------------------------
 
@@ -194,7 +194,7 @@ class RouterMetrics:
     def set_inflight(self, worker_id: str, count: int) -> None:
         """The turns this router has on a worker now (read from the pool when scraped, so the
         request path moves one counter, not two)."""
-        self.inflight.values[(worker_id,)] = float(count)
+        self.inflight.set((worker_id,), float(count))
 
     def rejected(self, reason: str) -> None:
         child = self._rejected.get(reason)

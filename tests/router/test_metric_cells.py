@@ -50,6 +50,8 @@ def test_counter_and_gauge_match_prometheus_client() -> None:
     for delta in (1, 1, -1, 1):
         gauge.labels("w0").inc(delta)
         gauge_cells.add(("w0",), delta)
+    gauge.labels("w1").set(5)
+    gauge_cells.set(("w1",), 5)
     assert _lines(ours) == _lines(theirs)
 
 
