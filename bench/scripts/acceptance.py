@@ -307,7 +307,7 @@ def render(verdicts: Sequence[Verdict], command: str, notes: Sequence[str]) -> s
     return "\n".join([*lines, ""])
 
 
-def _ints(text: str) -> tuple[int, ...]:
+def ints(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split(",") if part.strip())
 
 
@@ -318,10 +318,10 @@ def _parser() -> argparse.ArgumentParser:
     add("--limit", type=int, default=1500, help="at least this many turns of each trace")
     add("--span-s", type=float, default=30.0, help="seconds of arrivals each probe replays")
     add("--cluster", default="8xh200-sxm/llama-3.1-8b")
-    add("--splits", type=_ints, default=(1, 2, 3, 4), help="disaggregate prefill workers")
-    add("--thresholds", type=_ints, default=(256, 1024, 4096, 16384))
-    add("--prompts", type=_ints, default=(512, 4096, 16384), help="matrix prompt tokens")
-    add("--outputs", type=_ints, default=(64, 512), help="matrix output tokens")
+    add("--splits", type=ints, default=(1, 2, 3, 4), help="disaggregate prefill workers")
+    add("--thresholds", type=ints, default=(256, 1024, 4096, 16384))
+    add("--prompts", type=ints, default=(512, 4096, 16384), help="matrix prompt tokens")
+    add("--outputs", type=ints, default=(64, 512), help="matrix output tokens")
     add("--reuse", default="none,system-prefix,multi-turn", help="matrix reuse modes")
     add("--turns", type=int, default=4, help="turns of a multi-turn session")
     add("--class-turns", type=int, default=400, help="at least this many turns per class")

@@ -39,6 +39,7 @@ from bench.scripts.acceptance import (
     Variant,
     Verdict,
     Workload,
+    ints,
     needs_of,
     render,
     variants,
@@ -54,7 +55,7 @@ def spec_of(variant: Variant, cluster: ClusterSpec, tolerance: float) -> Compare
     return CompareSpec(
         policies=(variant.policy,), cluster=cluster, policy_params=params,
         prefill_workers=None if variant.mixed else variant.prefill_workers,
-        find_max_goodput=True, goodput_tolerance=tolerance,
+        goodput_tolerance=tolerance,
     )  # fmt: skip
 
 
@@ -119,8 +120,8 @@ def _parser() -> argparse.ArgumentParser:
     add("--span-s", type=float, default=20.0, help="seconds of scaled arrivals a probe replays")
     add("--min-turns", type=int, default=200, help="turns a probe replays at least")
     add("--start", type=float, default=4.0, help="rate scale the searches start at")
-    add("--splits", default="1,2", help="disaggregate prefill workers")
-    add("--thresholds", default="256,1024,4096")
+    add("--splits", type=ints, default=(1, 2), help="disaggregate prefill workers")
+    add("--thresholds", type=ints, default=(256, 1024, 4096))
     add("--variants", default="", help="comma-separated labels to search (default all)")
     add("--tolerance", type=float, default=0.1, help="search bracket ratio")
     add("--out", type=Path, default=Path("bench-out/live-acceptance"))
@@ -129,9 +130,7 @@ def _parser() -> argparse.ArgumentParser:
 
 async def _main(args: argparse.Namespace) -> list[Verdict]:
     cluster = ClusterSpec.parse(args.cluster)
-    splits = [int(k) for k in args.splits.split(",") if k.strip()]
-    thresholds = [int(t) for t in args.thresholds.split(",") if t.strip()]
-    contenders = chosen(variants(splits, thresholds, split=False), args.variants)
+    contenders = chosen(variants(args.splits, args.thresholds, split=False), args.variants)
     files = dict(TRACES)
     verdicts = []
     for name in (n.strip() for n in args.traces.split(",") if n.strip()):
