@@ -175,7 +175,7 @@ class AdaptivePolicy:
                 if decode is not prefill:
                     candidates.append(scorer.handoff(prefill, decode))
         if resident is not None:
-            key = _rank_key(turn, reference, reference.harm)
+            key = _rank_key(turn, reference)
         best = min(candidates, key=key)
         predicted = _prediction(best, reference)
         objective = turn.objectives.ttft_ms
@@ -232,16 +232,16 @@ class AdaptivePolicy:
 
 
 def _rank_key(
-    turn: Turn, reference: Candidate | None = None, usual_harm: float = math.inf
+    turn: Turn, reference: Candidate | None = None
 ) -> Callable[[Candidate], tuple[bool, float, int, tuple[str, ...]]]:
     """Meets the turn's own objectives first (its TTFT, and its ITL: fewer slow gaps expected
     where it decodes than its budget, `Candidate.exposure` < 1) at a harm within one miss of
-    `usual_harm`, the colocated reference's (that saves one turn: costing the streams beside
+    the colocated `reference`'s (that saves one turn: costing the streams beside
     its prefill more saves nothing), then the lower cost; a candidate other than `reference`
     must win by `SEPARATION_MARGIN` (what the model leaves out: a turn moved off its resident
     worker moves load and cache with it, its gain is an estimate)."""
     objective = turn.objectives.ttft_ms
-    harmful = usual_harm + 1.0
+    harmful = math.inf if reference is None else reference.harm + 1.0
 
     def key(candidate: Candidate) -> tuple[bool, float, int, tuple[str, ...]]:
         margin = 0.0 if reference is None or candidate is reference else SEPARATION_MARGIN

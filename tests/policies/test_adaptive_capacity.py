@@ -236,7 +236,7 @@ def test_a_turn_on_time_at_a_miss_more_of_the_others_does_not_meet_its_objective
 
     # Recomputed on another worker in time at that harm, or colocated late where it lives.
     meets, late = candidate("recompute", 1000.0, harm), candidate("colocate", 2500.0, usual)
-    key = _rank_key(_turn_with_ttft(2000.0), late, late.harm)
+    key = _rank_key(_turn_with_ttft(2000.0), late)
     assert min((meets, late), key=key) is (meets if first == "meets" else late)
     # Without a reference harm (a new session's reference is being chosen) no gate applies.
     assert min((meets, late), key=_rank_key(_turn_with_ttft(2000.0))) is meets
