@@ -224,7 +224,10 @@ async def test_ttft_on_idle_worker_matches_the_model(cluster: list[str]) -> None
     model = CostModel(deployment_from_names("h200-sxm", MODEL, 1), noise_sigma=0.0)
     async with aiohttp.ClientSession() as session:
         await _ttft_s(session, cluster[1], "warm up")
-        ttft_4k = await _ttft_s(session, cluster[1], words(4096, "t4k"))
+        # Fresh prompts (no cached prefix); the least of three, as machine noise only adds
+        ttft_4k = min(
+            [await _ttft_s(session, cluster[1], words(4096, f"t4k{i}_")) for i in range(3)]
+        )
         ttft_8k = await _ttft_s(session, cluster[1], words(8192, "t8k"))
     assert ttft_4k == pytest.approx(model.predict_prefill_s(4096), rel=0.10)
     assert ttft_8k > ttft_4k
