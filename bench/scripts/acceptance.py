@@ -352,6 +352,11 @@ def matrix_spec(args: argparse.Namespace) -> WorkloadSpec:
     }, WorkloadSpec)  # fmt: skip
 
 
+def default_matrix() -> WorkloadSpec:
+    """The matrix this script measures when given no matrix options."""
+    return matrix_spec(_parser().parse_args([]))
+
+
 def workloads_of(args: argparse.Namespace) -> list[Workload]:
     workloads = trace_workloads(args.traces_dir, args.limit, args.span_s)
     workloads += matrix_workloads(matrix_spec(args), args.class_turns, args.span_s)

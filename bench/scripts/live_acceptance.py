@@ -7,10 +7,14 @@ trace's scaled arrivals (a fixed number of turns replayed ever faster would beco
 the cluster absorbs whole). Verdicts as in the simulator's acceptance: adaptive's
 max goodput against the best baseline's, 1.0x or 1.2x for multi-turn traces.
 
+`--classes` adds classes of the simulator acceptance's default workload matrix (generated
+sessions; max goodput is then the arrival rate of the highest passing probe).
+
 A live probe runs the workers, router and client on this machine in real time, so only what
-the machine can carry is measured here (small clusters, recorded traces); the workload matrix's
-classes, hundreds of requests per second on 8 GPUs, are the simulator's. `--variants` picks
-labels (e.g. the split and threshold the simulator found best) to keep a run within minutes.
+the machine can carry is measured here: small clusters, the recorded traces and the matrix's
+long-prompt classes (its short-prompt ones stream hundreds of thousands of tokens per second
+on 8 GPUs, the simulator's job). `--variants` picks labels (e.g. the split and threshold the
+simulator found best) to keep a run within minutes.
 
     .venv/bin/python -m bench.scripts.live_acceptance --traces azure-conv \\
         --cluster 2xh200-sxm/llama-3.1-8b --span-s 20 --out bench-out/live-acceptance
@@ -33,13 +37,16 @@ from bench.layout import ClusterSpec
 from bench.metrics import RunSummary
 from bench.scripts.acceptance import (
     TRACES,
+    MatrixSource,
     Measured,
     Offered,
     TraceSource,
     Variant,
     Verdict,
     Workload,
+    default_matrix,
     ints,
+    matrix_workloads,
     needs_of,
     render,
     variants,
@@ -60,10 +67,12 @@ def spec_of(variant: Variant, cluster: ClusterSpec, tolerance: float) -> Compare
 
 
 async def search(
-    source: TraceSource, variant: Variant, spec: CompareSpec, start: float, out: Path
-) -> Measured:
-    """`variant`'s live max goodput: its highest passing scale times the whole trace's mean
-    arrival rate (0 when no probe passed), each probe a fresh stack replaying `source`."""
+    source: TraceSource | MatrixSource, variant: Variant, spec: CompareSpec, start: float,
+    out: Path,
+) -> Measured:  # fmt: skip
+    """`variant`'s live max goodput (0 when no probe passed), each probe a fresh stack
+    replaying `source`: a trace's highest passing scale times the whole trace's mean arrival
+    rate; a matrix class's arrival rate in its highest passing probe."""
     (stack,) = plan(spec, out)
     searcher = goodput_search(GOODPUT_TARGET, start=start, tolerance=spec.goodput_tolerance)
     probes: list[Offered] = []
@@ -86,13 +95,19 @@ async def search(
             found: GoodputSearch = done.value
             break
     best = found.best_scale
-    # By scale: every variant replays the same windows, but a window's own arrival rate is
-    # no measure when the trace's density varies along it (a short window can be a burst)
-    whole = source.trace
-    base_rps = whole.num_turns / max(whole.duration_s, 1e-9)
+    if best is None:
+        rps = 0.0
+    elif isinstance(source, TraceSource):
+        # By scale: every variant replays the same windows, but a window's own arrival rate
+        # is no measure when the trace's density varies along it (a short window can be a
+        # burst); generated sessions arrive at one steady rate, as in the simulator's search
+        whole = source.trace
+        rps = best * whole.num_turns / max(whole.duration_s, 1e-9)
+    else:
+        rps = max(p.rps for p in probes if p.rate_scale == best)
     return Measured(
         label=variant.label, best_scale=best, failing_scale=found.failing_scale,
-        max_goodput_rps=0.0 if best is None else best * base_rps,
+        max_goodput_rps=rps,
         probes=probes, best=summaries.get(best) if best is not None else None,
     )  # fmt: skip
 
@@ -116,6 +131,7 @@ def _parser() -> argparse.ArgumentParser:
         default="azure-conv,azure-code",
         help="names: " + ", ".join(n for n, _ in TRACES),
     )
+    add("--classes", default="", help="matrix classes (bench.scripts.acceptance's default matrix)")
     add("--cluster", default="4xh200-sxm/llama-3.1-8b")
     add("--span-s", type=float, default=20.0, help="seconds of scaled arrivals a probe replays")
     add("--min-turns", type=int, default=200, help="turns a probe replays at least")
@@ -128,26 +144,42 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-async def _main(args: argparse.Namespace) -> list[Verdict]:
-    cluster = ClusterSpec.parse(args.cluster)
-    contenders = chosen(variants(args.splits, args.thresholds, split=False), args.variants)
+def workloads(args: argparse.Namespace) -> list[Workload]:
+    """The traces and matrix classes the options name, in that order."""
     files = dict(TRACES)
-    verdicts = []
-    for name in (n.strip() for n in args.traces.split(",") if n.strip()):
+    out = []
+    for name in _names(args.traces):
         if name not in files:
             raise SystemExit(f"unknown trace {name!r}; known: {', '.join(files)}")
         trace = load_trace(args.traces_dir / files[name])
-        source = TraceSource(trace, args.min_turns, args.span_s)
+        out.append(Workload(name, TraceSource(trace, args.min_turns, args.span_s), needs_of(trace)))
+    classes = {w.name: w for w in matrix_workloads(default_matrix(), args.min_turns, args.span_s)}
+    for name in _names(args.classes):
+        if name not in classes:
+            raise SystemExit(f"unknown class {name!r}; known: {', '.join(classes)}")
+        out.append(classes[name])
+    return out
+
+
+def _names(text: str) -> list[str]:
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
+async def _main(args: argparse.Namespace) -> list[Verdict]:
+    cluster = ClusterSpec.parse(args.cluster)
+    contenders = chosen(variants(args.splits, args.thresholds, split=False), args.variants)
+    verdicts = []
+    for workload in workloads(args):
         measured = []
         for variant in contenders:
             started = time.monotonic()
-            out = args.out / name / variant.label.replace(" ", "-").replace("=", "")
+            label = variant.label.replace(" ", "-").replace("=", "")
             spec = spec_of(variant, cluster, args.tolerance)
-            found = await search(source, variant, spec, args.start, out)
+            found = await search(workload.source, variant, spec, args.start,
+                                 args.out / workload.name / label)  # fmt: skip
             measured.append(found)
-            print(f"{name} / {variant.label}: {found.max_goodput_rps:.3g} req/s "
+            print(f"{workload.name} / {variant.label}: {found.max_goodput_rps:.3g} req/s "
                   f"({time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True)  # fmt: skip
-        workload = Workload(name, source, needs_of(trace))
         verdicts.append(verdict(workload, measured))
     return verdicts
 

@@ -9,7 +9,7 @@ import pytest
 from bench.compare import plan
 from bench.layout import ClusterSpec
 from bench.scripts.acceptance import variants
-from bench.scripts.live_acceptance import chosen, spec_of
+from bench.scripts.live_acceptance import _parser, chosen, spec_of, workloads
 
 CLUSTER = ClusterSpec.parse("4xh200-sxm/llama-3.1-8b")
 ALL = variants([1, 2], [256, 1024], split=False)
@@ -47,3 +47,22 @@ def test_chosen_variants_keep_adaptive_and_refuse_unknown_labels() -> None:
     assert chosen(ALL, "") == ALL
     with pytest.raises(SystemExit, match="unknown variants"):
         chosen(ALL, "disaggregate K=9")
+
+
+def test_workloads_are_the_named_traces_then_the_named_matrix_classes(tmp_path: Path) -> None:
+    (tmp_path / "azure2023_AzureLLMInferenceTrace_conv.csv").write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:46.6805900,374,44\n2023-11-16 18:15:50.9951690,396,109\n"
+    )
+    args = _parser().parse_args([
+        "--traces-dir", str(tmp_path), "--traces", "azure-conv",
+        "--classes", "p16384-g512-multi-turn-t4, mixed-multi-turn",
+    ])  # fmt: skip
+    chosen_workloads = workloads(args)
+    assert [(w.name, w.needs) for w in chosen_workloads] == [
+        ("azure-conv", 1.0), ("p16384-g512-multi-turn-t4", 1.0), ("mixed-multi-turn", 1.2)
+    ]  # fmt: skip
+    klass = chosen_workloads[1].source.at(1.0)
+    assert {len(c.turns) for c in klass.conversations} == {4}
+    with pytest.raises(SystemExit, match="unknown class"):
+        workloads(_parser().parse_args(["--traces", "", "--classes", "p1-g1-none"]))
