@@ -13,10 +13,8 @@ replays `--span-s` seconds of (scaled) arrivals: a trace's turns within span x s
 `--class-turns` turns). Max goodput = the arrival rate of the highest passing probe.
 
 A workload passes when adaptive reaches `needs` x the best baseline: 1.2 on mixed multi-turn
-workloads (a trace with multi-turn sessions, the interleaved classes), else 1.0. A single matrix
-class is one prompt length, one answer length and one reuse mode, not a mix: it needs 1.0, as
-the issue words it. (On 8 GPUs p512-g512-multi-turn-t4 is bound by decode sequence slots at
-colocate's max goodput, where no placement can add 20%.)
+workloads (a trace with multi-turn sessions, the interleaved classes), else 1.0 (a single
+class, one prompt length, answer length and reuse mode, is not a mix).
 Outputs in `--out`: acceptance.md (verdicts, then every variant's max goodput) and
 acceptance.json (per workload and variant: the probes, the summary of the best passing one).
 Run: `.venv/bin/python -m bench.scripts.acceptance --jobs 2 --out bench-out/acceptance`.
