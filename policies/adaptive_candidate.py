@@ -74,10 +74,13 @@ class Candidate:
         self.harm = harm
         self.exposure = exposure
         share = ttft / objective_ms if objective_ms > 0.0 else math.inf
-        self.risk = min(1.0, max(0.0, (share - RISK_FROM) / (1.0 - RISK_FROM)))
+        # min() and max() spelled out: a turn builds a candidate per placement it weighs.
+        risk = (share - RISK_FROM) / (1.0 - RISK_FROM)
+        self.risk = (risk if risk < 1.0 else 1.0) if risk > 0.0 else 0.0
         self.misses = harm + exposure + self.risk
         work = compute_ms / objective_ms if objective_ms > 0.0 else math.inf
-        self.cost = self.misses + TTFT_WEIGHT * min(share + WORK_WEIGHT * work + pace, 1e9)
+        pacing = share + WORK_WEIGHT * work + pace
+        self.cost = self.misses + TTFT_WEIGHT * (1e9 if pacing > 1e9 else pacing)
 
     @property
     def interference(self) -> float:

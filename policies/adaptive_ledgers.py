@@ -208,7 +208,7 @@ class WorkLedger:
     was placed there since. `utilisation`: the share of a worker's time the work placed there
     lately takes (decaying with time constant `window_s`), backlog or not."""
 
-    __slots__ = ("_busy", "_entries", "_rates", "_recent", "window_s")
+    __slots__ = ("_busy", "_current", "_entries", "_held", "_rates", "_recent", "window_s")
 
     def __init__(self, window_s: float = 1.0) -> None:
         self.window_s = window_s
@@ -219,9 +219,13 @@ class WorkLedger:
         self._entries: dict[str, tuple[str, float, float, float, float]] = {}
         # worker -> the latest requests placed there, in placement order
         self._recent: dict[str, deque[tuple[float, str]]] = {}
+        # worker -> how often its `_recent` holds each (placed at, request), and how many of
+        # those are their request's entry still: past them `settle` would find only stale ones.
+        self._held: dict[str, dict[tuple[float, str], int]] = {}
+        self._current: dict[str, int] = {}
 
     def place(self, request_id: str, worker: str | None, at_s: float, work_ms: float) -> None:
-        old = self._entries.pop(request_id, None)
+        old = self._drop(request_id)
         if old is not None:
             busy = self._busy.get(old[0])
             if busy is not None:
@@ -236,18 +240,47 @@ class WorkLedger:
         if worker in self._busy or len(self._busy) < MAX_TRACKED_WORKERS:
             self._busy[worker] = after
             self._rate_add(worker, at_s, work_s)
-            self._entries[request_id] = (worker, before, after, at_s, work_s)
-            recent = self._recent.get(worker)
-            if recent is None:
-                recent = self._recent[worker] = deque(maxlen=MAX_RECENT)
-            recent.append((at_s, request_id))
+            self._enter(request_id, (worker, before, after, at_s, work_s))
         if len(self._entries) > MAX_TRACKED_REQUESTS:
             for key in list(self._entries)[: MAX_TRACKED_REQUESTS // 4]:
-                del self._entries[key]
+                self._drop(key)
+
+    def _enter(self, request_id: str, entry: tuple[str, float, float, float, float]) -> None:
+        """Make `entry` the request's and the latest placement on its worker (the oldest
+        falls out of a full `_recent`)."""
+        worker, at_s = entry[0], entry[3]
+        recent = self._recent.get(worker)
+        if recent is None:
+            recent = self._recent[worker] = deque(maxlen=MAX_RECENT)
+            self._held[worker] = {}
+            self._current[worker] = 0
+        held = self._held[worker]
+        if len(recent) == MAX_RECENT:
+            oldest = recent[0]
+            last = self._entries.get(oldest[1])
+            if last is not None and last[0] == worker and last[3] == oldest[0]:
+                self._current[worker] -= 1
+            if held[oldest] > 1:
+                held[oldest] -= 1
+            else:
+                del held[oldest]
+        self._entries[request_id] = entry
+        recent.append((at_s, request_id))
+        key = (at_s, request_id)
+        copies = held[key] = held.get(key, 0) + 1
+        # A copy placed before, at the same time on the same worker, is current again too.
+        self._current[worker] += copies
+
+    def _drop(self, request_id: str) -> tuple[str, float, float, float, float] | None:
+        """Forget the request's entry: its copies in `_recent` are stale from now on."""
+        entry = self._entries.pop(request_id, None)
+        if entry is not None:
+            self._current[entry[0]] -= self._held[entry[0]].get((entry[3], request_id), 0)
+        return entry
 
     def finish(self, request_id: str, now_s: float) -> None:
         """The request completed, so its prefill and the work placed before it are done."""
-        entry = self._entries.pop(request_id, None)
+        entry = self._drop(request_id)
         if entry is None:
             return
         busy = self._busy.get(entry[0])
@@ -270,10 +303,14 @@ class WorkLedger:
         entries = self._entries
         since: list[tuple[float, float]] = []
         bound = scraped_s
+        current = self._current[worker]
         for at_s, request_id in reversed(recent):
+            if not current:
+                break  # the rest are stale
             entry = entries.get(request_id)
             if entry is None or entry[0] != worker or entry[3] != at_s:
                 continue  # placed again since, or forgotten
+            current -= 1
             if at_s >= scraped_s:
                 since.append((at_s, entry[4]))
             elif queued > 0:

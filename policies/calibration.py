@@ -43,8 +43,12 @@ class Correction:
     def predict(self, terms: Terms) -> float:
         overhead, compute_a, memory_a, compute_b, memory_b = terms
         fc, fm = self.compute, self.memory
-        a = max(compute_a * fc, memory_a * fm)
-        b = max(compute_b * fc, memory_b * fm)
+        a_compute, a_memory = compute_a * fc, memory_a * fm
+        b_compute, b_memory = compute_b * fc, memory_b * fm
+        # The slower roof of each part (max() spelled out: every estimate of a turn's
+        # candidates runs this).
+        a = a_memory if a_memory > a_compute else a_compute
+        b = b_memory if b_memory > b_compute else b_compute
         return overhead + a + b
 
     def update(self, terms: Terms, observed: float, rate: float) -> None:

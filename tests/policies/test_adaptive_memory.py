@@ -4,6 +4,8 @@ placed prefill leg was assumed to find; and KV crowding."""
 
 from __future__ import annotations
 
+import random
+
 import msgspec
 import pytest
 
@@ -14,6 +16,7 @@ from policies import (
     Outcome,
     Residency,
     Turn,
+    adaptive_ledgers,
     create_policy,
 )
 from policies.adaptive import AdaptivePolicy
@@ -114,3 +117,62 @@ def test_kv_crowding(
 ) -> None:
     worker = w("m1", kv_usage=usage, running=running, inflight=inflight)
     assert kv_crowding(worker, streams) == pytest.approx(misses)
+
+
+class _FullScan(WorkLedger):
+    """`WorkLedger.settle` as it scanned every recent placement, stale ones included."""
+
+    __slots__ = ()
+
+    def settle(self, worker: str, scraped_s: float, queued: int) -> None:
+        busy, recent = self._busy.get(worker), self._recent.get(worker)
+        if busy is None or recent is None:
+            return
+        since: list[tuple[float, float]] = []
+        bound = scraped_s
+        for at_s, request_id in reversed(recent):
+            entry = self._entries.get(request_id)
+            if entry is None or entry[0] != worker or entry[3] != at_s:
+                continue
+            if at_s >= scraped_s:
+                since.append((at_s, entry[4]))
+            elif queued > 0:
+                queued -= 1
+                bound += entry[4]
+            else:
+                bound += max(at_s + entry[4] - scraped_s, 0.0)
+                break
+        for at_s, work_s in reversed(since):
+            bound = max(bound, at_s) + work_s
+        if busy > bound:
+            self._busy[worker] = bound
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_settle_skips_only_stale_placements(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Placed again (at the same time too), finished, forgotten or fallen out of the recent
+    ones: settle stops where a scan of them all finds nothing current any more."""
+    monkeypatch.setattr(adaptive_ledgers, "MAX_RECENT", 8)
+    monkeypatch.setattr(adaptive_ledgers, "MAX_TRACKED_REQUESTS", 24)
+    rng = random.Random(seed)
+    ledger, reference = WorkLedger(), _FullScan()
+    workers = ("m1", "m2", "m3")
+    for _ in range(400):
+        request = f"r{rng.randrange(40)}"
+        at_s = rng.randrange(20) / 10.0
+        match rng.randrange(3):
+            case 0:
+                worker = rng.choice((*workers, None))
+                work_ms = rng.choice((0.0, 50.0, 300.0))
+                for one in (ledger, reference):
+                    one.place(request, worker, at_s, work_ms)
+            case 1:
+                for one in (ledger, reference):
+                    one.finish(request, at_s)
+            case _:
+                worker, queued = rng.choice(workers), rng.randrange(4)
+                for one in (ledger, reference):
+                    one.settle(worker, at_s, queued)
+        assert [ledger.backlog_ms(m, 0.0) for m in workers] == [
+            reference.backlog_ms(m, 0.0) for m in workers
+        ]
