@@ -23,7 +23,6 @@ Run: `.venv/bin/python -m bench.scripts.acceptance --jobs 2 --out bench-out/acce
 from __future__ import annotations
 
 import argparse
-import itertools
 import math
 import multiprocessing
 import sys
@@ -38,130 +37,20 @@ from bench.des import SimConfig
 from bench.des.goodput import Search, goodput_search
 from bench.layout import ClusterSpec, default_prefill_workers, worker_roles
 from bench.metrics import RunSummary
+from bench.scripts.acceptance_workloads import (
+    MatrixSource,
+    Measured,
+    Offered,
+    TraceSource,
+    Variant,
+    Verdict,
+    Workload,
+    matrix_workloads,
+    trace_workloads,
+    variants,
+)
 from bench.simulate import GOODPUT_TARGET, PolicyRun, plan_runs, run_one
-from bench.traces import Trace, load_trace
-from bench.workloads import WorkloadSpec, cells, generate_matrix
-
-TRACES = (("mooncake", "mooncake_synthetic_trace.jsonl"),
-          ("azure-conv", "azure2023_AzureLLMInferenceTrace_conv.csv"),
-          ("azure-code", "azure2023_AzureLLMInferenceTrace_code.csv"))  # fmt: skip
-MULTI_TURN_NEEDS = 1.2
-
-
-class Variant(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One contender: a policy, its parameters and its layout: `prefill_workers` prefill
-    workers (None: the default) and the rest decode, or with `mixed` every worker mixed."""
-
-    label: str
-    policy: str
-    params: dict[str, str] = {}
-    prefill_workers: int | None = None
-    mixed: bool = False
-
-
-class TraceSource(msgspec.Struct, frozen=True):
-    """A recorded trace; at scale s, its first turns within `span_s` x s s (>= `min_turns`)."""
-
-    trace: Trace
-    min_turns: int
-    span_s: float
-
-    def at(self, scale: float) -> Trace:
-        window = self.span_s * scale
-        turns = itertools.takewhile(lambda t: t.turn.arrival_s <= window, self.trace.iter_turns())
-        return self.trace.slice(max(self.min_turns, sum(1 for _ in turns)))
-
-
-class MatrixSource(msgspec.Struct, frozen=True):
-    """Generated sessions; at scale s, those starting within `span_s` x s s (>= `min_sessions`
-    a class): more sessions extend one arrival sequence (its generator has its own seed)."""
-
-    spec: WorkloadSpec
-    min_sessions: int
-    span_s: float
-
-    def at(self, scale: float) -> Trace:
-        classes = len(cells(self.spec))
-        wanted = math.ceil(self.spec.arrival.rate_rps * scale * self.span_s / classes)
-        per_class = max(self.min_sessions, wanted)
-        return generate_matrix(msgspec.structs.replace(self.spec, sessions_per_class=per_class))
-
-
-class Workload(msgspec.Struct, frozen=True):
-    name: str
-    source: TraceSource | MatrixSource
-    needs: float  # adaptive's max goodput / the best baseline's at least
-
-
-class Offered(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One probe: scale, attainment, turns, arrival rate (turns / their scaled span)."""
-
-    rate_scale: float
-    attainment: float
-    turns: int
-    rps: float
-
-
-class Measured(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A variant's search: max goodput 0 if nothing passed, a lower bound if nothing failed."""
-
-    label: str
-    best_scale: float | None
-    failing_scale: float | None
-    max_goodput_rps: float
-    probes: list[Offered]
-    best: RunSummary | None
-    failure: str | None = None
-
-
-class Verdict(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    workload: str
-    needs: float
-    baseline: str
-    baseline_rps: float
-    adaptive_rps: float
-    ratio: float
-    passed: bool
-    measured: list[Measured]
-
-
-def variants(splits: Sequence[int], thresholds: Sequence[int], split: bool = True) -> list[Variant]:
-    """Colocate first (the pilot), the other baselines, adaptive on mixed workers (judged: it
-    splits per turn), and with `split` adaptive on the default fixed split (for reference)."""
-    out = [Variant("colocate", "colocate"), Variant("round-robin", "round-robin")]
-    out += [Variant(f"disaggregate K={k}", "disaggregate", prefill_workers=k) for k in splits]
-    out += [Variant(f"threshold {t}", "threshold", {"threshold": str(t)}) for t in thresholds]
-    out.append(Variant("adaptive", "adaptive", mixed=True))
-    if split:
-        out.append(Variant("adaptive (fixed split)", "adaptive"))
-    return out
-
-
-def trace_workloads(directory: Path, min_turns: int, span_s: float) -> list[Workload]:
-    traces = [(name, load_trace(directory / filename)) for name, filename in TRACES]
-    return [Workload(n, TraceSource(t, min_turns, span_s), needs_of(t)) for n, t in traces]
-
-
-def matrix_workloads(spec: WorkloadSpec, min_turns: int, span_s: float) -> list[Workload]:
-    """A workload per class of `spec` (`rate_rps`: its sessions/s at scale 1; needs 1.0), and
-    its multi-turn classes interleaved ("mixed-multi-turn", `rate_rps` over them all; 1.2)."""
-    workloads, multi = [], []
-    for cell in cells(spec):
-        one = msgspec.structs.replace(spec, name=cell.klass, prompt_tokens=(cell.prompt,),
-            output_tokens=(cell.output,), reuse=(cell.reuse,), turns=(cell.turns,))  # fmt: skip
-        source = MatrixSource(one, -(-min_turns // cell.turns), span_s)
-        workloads.append(Workload(cell.klass, source, 1.0))
-        multi += [cell.turns] if cell.turns > 1 else []
-    if len(multi) > 1:
-        whole = msgspec.structs.replace(spec, name="mixed-multi-turn", reuse=("multi-turn",))
-        source = MatrixSource(whole, -(-min_turns // sum(multi)), span_s)
-        workloads.append(Workload("mixed-multi-turn", source, MULTI_TURN_NEEDS))
-    return workloads
-
-
-def needs_of(trace: Trace) -> float:
-    return MULTI_TURN_NEEDS if any(len(c.turns) > 1 for c in trace.conversations) else 1.0
-
+from bench.workloads import WorkloadSpec
 
 _SOURCES: dict[str, TraceSource | MatrixSource] = {}
 

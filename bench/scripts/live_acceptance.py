@@ -35,7 +35,8 @@ from bench.compare import CompareSpec, plan, run_policy
 from bench.des.goodput import GoodputSearch, goodput_search
 from bench.layout import ClusterSpec
 from bench.metrics import RunSummary
-from bench.scripts.acceptance import (
+from bench.scripts.acceptance import default_matrix, ints, render, verdict
+from bench.scripts.acceptance_workloads import (
     TRACES,
     MatrixSource,
     Measured,
@@ -44,13 +45,9 @@ from bench.scripts.acceptance import (
     Variant,
     Verdict,
     Workload,
-    default_matrix,
-    ints,
     matrix_workloads,
     needs_of,
-    render,
     variants,
-    verdict,
 )
 from bench.simulate import GOODPUT_TARGET
 from bench.traces import load_trace

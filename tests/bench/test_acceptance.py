@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from bench.scripts.acceptance import MULTI_TURN_NEEDS, _parser, matrix_spec, matrix_workloads
+from bench.scripts.acceptance import _parser, matrix_spec
+from bench.scripts.acceptance_workloads import MULTI_TURN_NEEDS, matrix_workloads
 
 
 def test_single_classes_need_parity_and_the_multi_turn_mix_needs_more() -> None:

@@ -8,7 +8,7 @@ import pytest
 
 from bench.compare import plan
 from bench.layout import ClusterSpec
-from bench.scripts.acceptance import variants
+from bench.scripts.acceptance_workloads import variants
 from bench.scripts.live_acceptance import _parser, chosen, spec_of, workloads
 
 CLUSTER = ClusterSpec.parse("4xh200-sxm/llama-3.1-8b")
