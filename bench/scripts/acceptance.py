@@ -46,6 +46,7 @@ from bench.scripts.acceptance_workloads import (
     Verdict,
     Workload,
     matrix_workloads,
+    offered_rps,
     trace_workloads,
     variants,
 )
@@ -94,7 +95,7 @@ class _Search:
             return self.search.send(offered.attainment)
         except StopIteration as stop:
             best, failing = stop.value.best_scale, stop.value.failing_scale
-            rps = max((p.rps for p in self.probes if p.rate_scale == best), default=0.0)
+            rps = offered_rps(self.probes, best)
             found = self.passing.get(best) if best is not None else None
             self.result = Measured(self.variant.label, best, failing, rps, self.probes, found)
             return None
@@ -198,8 +199,13 @@ def render(verdicts: Sequence[Verdict], command: str, notes: Sequence[str]) -> s
     return "\n".join([*lines, ""])
 
 
+def names(text: str) -> list[str]:
+    """The comma-separated names in `text`, stripped, empty ones left out."""
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
 def ints(text: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in text.split(",") if part.strip())
+    return tuple(int(part) for part in names(text))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -247,7 +253,7 @@ def default_matrix() -> WorkloadSpec:
 def workloads_of(args: argparse.Namespace) -> list[Workload]:
     workloads = trace_workloads(args.traces_dir, args.limit, args.span_s)
     workloads += matrix_workloads(matrix_spec(args), args.class_turns, args.span_s)
-    only = {name.strip() for name in args.only.split(",") if name.strip()}
+    only = set(names(args.only))
     return [w for w in workloads if not only or w.name in only]
 
 

@@ -74,6 +74,11 @@ class Offered(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     rps: float
 
 
+def offered_rps(probes: Sequence[Offered], scale: float | None) -> float:
+    """The arrival rate of the probe at `scale` (0 when there is none)."""
+    return max((p.rps for p in probes if p.rate_scale == scale), default=0.0)
+
+
 class Measured(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A variant's search: max goodput 0 if nothing passed, a lower bound if nothing failed."""
 

@@ -5,7 +5,8 @@ gets a max-goodput search (90% good) with `bench compare`'s machinery, each prob
 simulated cluster, router and embedded Redis in real time replaying `--span-s` seconds of the
 trace's scaled arrivals (a fixed number of turns replayed ever faster would become one burst
 the cluster absorbs whole). Verdicts as in the simulator's acceptance: adaptive's
-max goodput against the best baseline's, 1.0x or 1.2x for multi-turn traces.
+max goodput against the best baseline's, 1.2x on multi-turn traces and the multi-turn mix,
+else 1.0x.
 
 `--classes` adds classes of the simulator acceptance's default workload matrix (generated
 sessions; max goodput is then the arrival rate of the highest passing probe).
@@ -35,7 +36,7 @@ from bench.compare import CompareSpec, plan, run_policy
 from bench.des.goodput import GoodputSearch, goodput_search
 from bench.layout import ClusterSpec
 from bench.metrics import RunSummary
-from bench.scripts.acceptance import default_matrix, ints, render, verdict
+from bench.scripts.acceptance import default_matrix, ints, names, render, verdict
 from bench.scripts.acceptance_workloads import (
     TRACES,
     MatrixSource,
@@ -47,6 +48,7 @@ from bench.scripts.acceptance_workloads import (
     Workload,
     matrix_workloads,
     needs_of,
+    offered_rps,
     variants,
 )
 from bench.simulate import GOODPUT_TARGET
@@ -101,7 +103,7 @@ async def search(
         whole = source.trace
         rps = best * whole.num_turns / max(whole.duration_s, 1e-9)
     else:
-        rps = max(p.rps for p in probes if p.rate_scale == best)
+        rps = offered_rps(probes, best)
     return Measured(
         label=variant.label, best_scale=best, failing_scale=found.failing_scale,
         max_goodput_rps=rps,
@@ -111,7 +113,7 @@ async def search(
 
 def chosen(all_variants: list[Variant], labels: str) -> list[Variant]:
     """The variants named in `labels` (comma-separated; empty: all), adaptive always."""
-    wanted = {label.strip() for label in labels.split(",") if label.strip()}
+    wanted = set(names(labels))
     known = {v.label for v in all_variants}
     unknown = wanted - known
     if unknown:
@@ -145,21 +147,17 @@ def workloads(args: argparse.Namespace) -> list[Workload]:
     """The traces and matrix classes the options name, in that order."""
     files = dict(TRACES)
     out = []
-    for name in _names(args.traces):
+    for name in names(args.traces):
         if name not in files:
             raise SystemExit(f"unknown trace {name!r}; known: {', '.join(files)}")
         trace = load_trace(args.traces_dir / files[name])
         out.append(Workload(name, TraceSource(trace, args.min_turns, args.span_s), needs_of(trace)))
     classes = {w.name: w for w in matrix_workloads(default_matrix(), args.min_turns, args.span_s)}
-    for name in _names(args.classes):
+    for name in names(args.classes):
         if name not in classes:
             raise SystemExit(f"unknown class {name!r}; known: {', '.join(classes)}")
         out.append(classes[name])
     return out
-
-
-def _names(text: str) -> list[str]:
-    return [name.strip() for name in text.split(",") if name.strip()]
 
 
 async def _main(args: argparse.Namespace) -> list[Verdict]:
