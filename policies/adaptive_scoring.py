@@ -44,9 +44,11 @@ a g-token answer that may exceed the ITL objective while the p99 of its gaps mee
   where the turn's own prefill on d is slow (a whole turn), d becomes a host of slow
   prefills: rate(d) is at least the mean rate of the workers hosting them lately.
 - TTFT risk: 0 up to `RISK_FROM` x the objective, rising linearly to 1 at the objective.
-- H(src, dst, bytes) = latency + bytes / available, available = max(1% of rate,
-  rate - (bytes in flight + reserved bytes) / horizon); rate = the link's capacity (else its
-  observed rate, else `default_link_bps`), capped by the rate this policy has measured on it.
+- H(src, dst, bytes, start) = latency + bytes / available, available = max(1% of rate,
+  rate - max(0, bytes in flight + reserved bytes - rate x start) / horizon): what the ledger
+  holds drains at the link's rate until the transfer starts (when the prefill ends); rate =
+  the link's capacity (else its observed rate, else `default_link_bps`), capped by the rate
+  this policy has measured on it.
 
 Candidates, each with ttft = queue + compute + own wait + H (decode-side terms included):
 - whole turn on w (colocate on the resident, else recompute there; colocate for a new
@@ -113,9 +115,10 @@ class Scorer(TurnTerms):
         local = self._prefill_on(prefill)
         receiver = self._decode_on(decode)
         lacking = receiver.lacking
-        transfer = self.transfer_ms(prefill.worker_id, decode.worker_id, lacking * self._kv_bytes)
         queue = self.queue_ms(prefill)
         sent = queue + local.compute_ms + local.own_wait_ms
+        nbytes = lacking * self._kv_bytes
+        transfer = self.transfer_ms(prefill.worker_id, decode.worker_id, nbytes, sent)
         ready = sent + transfer
         decode_queue = receiver.queue_ms - ready
         slot = receiver.slot_ms

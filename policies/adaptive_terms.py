@@ -255,8 +255,11 @@ class TurnTerms:
             rate = self._stall_rates[wid] = self._stalls.rate(wid, self._now_s, self._request_id)
         return rate
 
-    def transfer_ms(self, src: str, dst: str, nbytes: int) -> float:
-        """Exposed time to move `nbytes` over src -> dst, given what the ledger holds."""
+    def transfer_ms(self, src: str, dst: str, nbytes: int, start_ms: float = 0.0) -> float:
+        """Exposed time to move `nbytes` over src -> dst starting `start_ms` from now, given
+        what the ledger holds: the bytes in flight and reserved drain at the link's rate
+        meanwhile (a handoff queued behind long prefills reserves its bytes long before it
+        sends them)."""
         if nbytes <= 0:
             return 0.0
         link = self._links.get((src, dst))
@@ -269,7 +272,8 @@ class TurnTerms:
             rate = measured
         sending = link.bytes_in_flight if link.bytes_in_flight > 0 else 0
         reserved = link.reserved_bytes if link.reserved_bytes > 0 else 0
-        available = rate - (sending + reserved) / self._horizon_s
+        pending = sending + reserved - rate * start_ms / 1000.0
+        available = rate - pending / self._horizon_s if pending > 0.0 else rate
         floor = rate * LINK_FLOOR_FRACTION
         available = available if available > floor else floor
         latency_s = link.latency_s if 0.0 < link.latency_s < math.inf else 0.0
@@ -310,7 +314,11 @@ class TurnTerms:
         return self._max_seqs if 0 < self._max_seqs < streams else streams
 
     def _leg(self, worker: WorkerView, cached: int) -> PrefillLeg:
-        return PrefillLeg(cached, self.streams(worker) if worker.role != "prefill" else 0)
+        beside = self.streams(worker) if worker.role != "prefill" else 0
+        if self._work is None:
+            return PrefillLeg(cached, beside)
+        ahead = self._work.backlog_ms(worker.worker_id, self._now_s, self._request_id)
+        return PrefillLeg(cached, beside, ahead)
 
     def _cached_at(self, worker_id: str) -> int:
         if worker_id == self._resident:

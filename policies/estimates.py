@@ -268,13 +268,19 @@ class Estimates:
         correction = self._prefill_by_worker.get(worker or "", self._prefill)
         predicted = correction.predict(terms)
         depth = _depth(outcome)
-        if depth == 0:
+        ahead = leg.ahead_ms if leg.ahead_ms > 0.0 else 0.0
+        if depth == 0 and ahead < predicted:
             # A TTFT also holds the step in progress and the first token's relay: noisier
             # than a measured prefill stage, it teaches the fleet's roofs, not the worker's.
+            # The stage also holds the wait for the prefill work placed ahead (no scrape
+            # counts a running prefill). Taken off, what is left is this prefill's time: a
+            # ledger counting too much or too little teaches the opposite error, which
+            # corrects it; behind more than this prefill, the ledger's error would drown it.
             measured = plausible(outcome.prefill_ms, STAGE_MS_MAX)
             self._learn(
-                self._prefill, self._prefill_by_worker, worker if measured else None, terms, stage
-            )
+                self._prefill, self._prefill_by_worker, worker if measured else None, terms,
+                stage - ahead,
+            )  # fmt: skip
         self._queue.observe(queued + stage - predicted, depth, self._typical_prefill.value)
 
     def _observe_size(self, outcome: Outcome, leg: PrefillLeg) -> None:
@@ -323,10 +329,13 @@ WHOLE_ACTIONS = ("colocate", "recompute")
 
 
 class PrefillLeg(NamedTuple):
-    """A turn's prefill as placed: tokens cached on its worker, decode streams beside it."""
+    """A turn's prefill as placed: tokens cached on its worker, decode streams beside it,
+    and the ms of prefill work placed there before it and not yet done (no scrape counts a
+    prefill already running, however long)."""
 
     cached: int
     beside: int
+    ahead_ms: float = 0.0
 
 
 def _prefill_stage(outcome: Outcome, queued: float | None) -> float | None:

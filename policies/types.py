@@ -83,6 +83,14 @@ class Residency(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     turns: int = 0
 
 
+def handoff_tokens(prompt_tokens: int, residency: Residency | None, decode_worker: str) -> int:
+    """The prompt tokens a handoff to `decode_worker` moves there (its link reservation): past
+    the session's context where it is resident (at least the turn's own token), else all."""
+    if residency is None or residency.worker_id != decode_worker:
+        return prompt_tokens
+    return prompt_tokens - residency.tokens if prompt_tokens > residency.tokens else 1
+
+
 class ClusterView(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A snapshot of the fleet for one decision."""
 

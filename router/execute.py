@@ -6,7 +6,15 @@ import asyncio
 import logging
 import random
 
-from policies.types import Colocate, Decision, Handoff, Migrate, Recompute, Reject
+from policies.types import (
+    Colocate,
+    Decision,
+    Handoff,
+    Migrate,
+    Recompute,
+    Reject,
+    handoff_tokens,
+)
 from router import adapters
 from router.config import RouterConfig
 from router.errors import RouterError
@@ -39,7 +47,9 @@ class Executor:
         if isinstance(decision, Colocate | Recompute):
             return await self._single(ctx, decision.worker)
         if isinstance(decision, Handoff):
-            nbytes = ctx.turn.prompt_tokens * self._config.kv_bytes_per_token
+            residency = ctx.record.to_residency() if ctx.record is not None else None
+            moved = handoff_tokens(ctx.turn.prompt_tokens, residency, decision.decode_worker)
+            nbytes = moved * self._config.kv_bytes_per_token
             reservation = await self._reserve(decision.prefill_worker, decision.decode_worker,
                                               nbytes, "handoff")  # fmt: skip
             return await self._handoff(ctx, decision.prefill_worker, decision.decode_worker,

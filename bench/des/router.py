@@ -44,6 +44,7 @@ from policies.types import (
     Residency,
     Turn,
     action_of,
+    handoff_tokens,
 )
 from router.events import StageEvents
 from sim.engine import EngineRequest, RequestStats
@@ -136,7 +137,9 @@ class SimRouter:
         elif isinstance(decision, Handoff):
             prefill = self._worker(flight, decision.prefill_worker)
             decode = self._worker(flight, decision.decode_worker)
-            nbytes = flight.turn.prompt_tokens * self._kv_bytes
+            moved = handoff_tokens(flight.turn.prompt_tokens, flight.residency,
+                                   decision.decode_worker)  # fmt: skip
+            nbytes = moved * self._kv_bytes
             flight.reservation = self._ledger.reserve(
                 decision.prefill_worker, decision.decode_worker, nbytes, "handoff", now
             )

@@ -9,6 +9,7 @@ import msgspec
 import pytest
 
 from bench.des import SimConfig, simulate
+from bench.des.ledger import LinkLedger
 from bench.des.tokens import ASSISTANT_TAG, SYSTEM_TAG, USER_TAG, PromptBuilder
 from bench.layout import ClusterSpec
 from bench.metrics import RequestResult
@@ -16,7 +17,18 @@ from bench.traces import Conversation, Trace, TraceTurn
 from bench.workloads import ArrivalSpec, ThinkSpec, WorkloadSpec, generate_matrix
 from policies import create_policy
 from policies.params import NoParams
-from policies.types import ClusterView, Colocate, Decision, Migrate, Outcome, Reject, Role, Turn
+from policies.types import (
+    ClusterView,
+    Colocate,
+    Decision,
+    Migrate,
+    Outcome,
+    Reject,
+    Residency,
+    Role,
+    Turn,
+    handoff_tokens,
+)
 from sim.kvcache import extend_block_hashes
 from sim.presets import deployment_from_names
 from sim.roofline import CostModel
@@ -212,6 +224,48 @@ def test_residency_is_committed_on_the_serving_worker_after_each_turn() -> None:
     assert second.cached_tokens == (turn0.prompt_tokens + 9) // 16 * 16
     assert first.done_at is not None
     assert second.sent_at == pytest.approx(first.done_at + 0.1)
+
+
+def test_a_handoff_reserves_only_the_kv_its_decode_worker_lacks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    reserved: list[tuple[str, str, int]] = []
+    reserve = LinkLedger.reserve
+
+    def recording(self: LinkLedger, src: str, dst: str, nbytes: int, *args: object) -> object:
+        reserved.append((src, dst, nbytes))
+        return reserve(self, src, dst, nbytes, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(LinkLedger, "reserve", recording)
+    turns = (TraceTurn(0.0, 4000, 10), TraceTurn(0.0, 300, 10, think_s=0.1))
+    trace = Trace("t", (Conversation("chat", turns),))
+    result = simulate(trace, create_policy("disaggregate"), config(("prefill", "decode")))
+    first, second = result.results
+    held = first.prompt_tokens + first.completion_tokens  # the residency after turn 1
+    assert reserved == [
+        ("w0", "w1", first.prompt_tokens * KV_BYTES),  # a new session: all of it
+        ("w0", "w1", (second.prompt_tokens - held) * KV_BYTES),  # past what w1 holds
+    ]
+    # What the decode worker pulled: its cache holds the first turn in whole KV blocks, less
+    # the last token's KV (never written).
+    pulled = second.transferred_bytes // KV_BYTES
+    assert second.prompt_tokens - held < pulled <= second.prompt_tokens - held + 16
+
+
+@pytest.mark.parametrize(
+    ("residency", "worker", "prompt", "moved"),
+    [
+        (None, "w1", 5000, 5000),
+        (("w1", 4000), "w1", 5000, 1000),
+        (("w1", 4000), "w2", 5000, 5000),  # w2 holds nothing of it
+        (("w1", 6000), "w1", 5000, 1),  # a shorter prompt (edited history): its own token
+    ],
+)
+def test_handoff_tokens(
+    residency: tuple[str, int] | None, worker: str, prompt: int, moved: int
+) -> None:
+    held = None if residency is None else Residency(residency[0], residency[1], 0, 1)
+    assert handoff_tokens(prompt, held, worker) == moved
 
 
 class AlwaysMigrate:

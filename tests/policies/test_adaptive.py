@@ -404,9 +404,40 @@ def test_exposed_transfer(
         horizon_s=policy.params.link_horizon_s,
         default_bps=policy.params.default_link_bps,
     )
-    handoff = scorer.handoff(BUSY[0], BUSY[1])
-    assert handoff.transfer_ms == pytest.approx(expected_ms)
+    assert scorer.transfer_ms("p1", "d1", 16_000 * KV) == pytest.approx(expected_ms)
     assert scorer.transfer_ms("p1", "d1", 0) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("start_ms", "available_bps"),
+    [
+        (0.0, 25e9),  # 25 GB reserved over the 1 s horizon
+        (250.0, 37.5e9),  # 12.5 GB of them still to send when this transfer starts
+        (500.0, 50e9),  # the link has drained them all by then
+        (5000.0, 50e9),
+    ],
+)
+def test_reserved_bytes_drain_until_the_transfer_starts(
+    start_ms: float, available_bps: float
+) -> None:
+    link = LinkView("p1", "d1", capacity_bps=50e9, reserved_bytes=25 * 10**9)
+    cluster = view(*BUSY, links=(link,), resident="d1", tokens=2000)
+    policy = create_policy("adaptive")
+    assert isinstance(policy, AdaptivePolicy)
+    scorer = Scorer(
+        BUSY_TURN,
+        cluster,
+        policy.estimates,
+        links={("p1", "d1"): link},
+        horizon_s=policy.params.link_horizon_s,
+        default_bps=policy.params.default_link_bps,
+    )
+    expected_ms = 1000 * 16_000 * KV / available_bps
+    assert scorer.transfer_ms("p1", "d1", 16_000 * KV, start_ms) == pytest.approx(expected_ms)
+    # A handoff's transfer starts when its prefill ends.
+    handoff = scorer.handoff(BUSY[0], BUSY[1])
+    assert handoff.sent_ms > 500.0
+    assert handoff.transfer_ms == pytest.approx(1000 * 16_000 * KV / 50e9)
 
 
 def test_observed_slowness_turns_colocate_into_reject() -> None:

@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from policies import Outcome, PolicyConfigError
-from policies.estimates import FACTOR_MAX, FACTOR_MIN, Estimates
+from policies.estimates import FACTOR_MAX, FACTOR_MIN, Estimates, PrefillLeg
 from policies.hardware import GPUS, gpu_preset, model_preset
 
 
@@ -116,6 +116,43 @@ def test_converges_from_a_wrong_gpu_prior(action: str, chunk: int | None, seed: 
     prefill, decode = worst_errors(estimates, truth, seed)
     assert prefill < 0.15
     assert decode < 0.15
+
+
+def behind_placed_work(
+    truth: Truth, rng: random.Random, share: float
+) -> tuple[Outcome, PrefillLeg]:
+    """A handoff's prefill that waited behind prefill work already running on its worker (a
+    scrape counts no queue), `share` of its own measured prefill, as the placement's ledger
+    knew it."""
+    outcome = measured_outcome(rng, truth, "handoff")
+    assert outcome.prefill_ms is not None
+    wait = share * outcome.prefill_ms
+    stage = msgspec.structs.replace(outcome, prefill_ms=outcome.prefill_ms + wait)
+    return stage, PrefillLeg(outcome.cached_tokens, 0, wait)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_prefill_behind_placed_work_teaches_its_own_time(seed: int) -> None:
+    truth = Truth()
+    told, blind = (Estimates.from_presets("h200-sxm", "llama-3.1-8b") for _ in range(2))
+    rng = random.Random(seed)
+    for _ in range(400):
+        outcome, leg = behind_placed_work(truth, rng, rng.uniform(0.0, 0.5))
+        told.observe(outcome, leg)
+        blind.observe(outcome, leg._replace(ahead_ms=0.0))
+    assert worst_errors(told, truth, seed)[0] < 0.15
+    # Taken for the prefill's own time, the wait would make every prefill look slower.
+    assert worst_errors(blind, truth, seed)[0] > 0.15
+
+
+def test_a_prefill_behind_more_than_its_own_work_teaches_no_roof() -> None:
+    estimates, reference = Estimates.from_presets(), Estimates.from_presets()
+    rng = random.Random(7)
+    for _ in range(50):
+        outcome, leg = behind_placed_work(Truth(), rng, 50.0)
+        estimates.observe(msgspec.structs.replace(outcome, decode_ms=None), leg)
+    assert estimates.factors()["prefill_compute"] == reference.factors()["prefill_compute"]
+    assert estimates.factors()["prefill_memory"] == reference.factors()["prefill_memory"]
 
 
 def test_learns_each_workers_speed() -> None:
