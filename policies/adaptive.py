@@ -28,8 +28,7 @@ among the others; ties go to colocate, handoff, migrate, recompute, then to the 
 ids: the decision depends only on the view, the estimates and the ledgers, never on the order
 of the workers.
 When the best candidate misses the objective the turn is rejected with `retry_after_s`, or
-served anyway with `on_infeasible=serve`; a miss by less than recent predictions overshot the
-measured TTFTs is served too (`policies.admission`).
+served anyway with `on_infeasible=serve`.
 
 `decide` records the placement in the ledgers under the request id (deciding the same turn
 again replaces it, so it returns the same decision; a split turn's decode leg is counted on
@@ -54,7 +53,6 @@ from policies.adaptive_candidate import TTFT_WEIGHT, Candidate
 from policies.adaptive_ledgers import LegLedger, StallLedger, WorkLedger
 from policies.adaptive_params import AdaptiveParams as AdaptiveParams
 from policies.adaptive_scoring import Scorer
-from policies.admission import QUANTILE, Admission
 from policies.estimates import Estimates, PrefillLeg
 from policies.load import DECODE_ROLES, PREFILL_ROLES, can_serve, load_score, reject_no_worker
 from policies.types import (
@@ -76,7 +74,6 @@ from policies.types import (
 MAX_FRESH = 65536
 # Expected misses a placement must save against colocating on the resident worker.
 SEPARATION_MARGIN = 0.05
-QUANTILE_TEXT = f"{QUANTILE:.0%}"
 _TIE_ORDER: dict[Action, int] = {"colocate": 0, "handoff": 1, "migrate": 2, "recompute": 3}
 
 
@@ -95,7 +92,6 @@ class AdaptivePolicy:
         # not once per turn (a fleet of N workers has up to N^2 links).
         self._indexed_links: tuple[LinkView, ...] = ()
         self._link_index: dict[tuple[str, str], LinkView] = {}
-        self.admission = Admission()
         self._stalls = StallLedger(p.stall_window_s)
         self._work = WorkLedger()
         self._coming = LegLedger()
@@ -183,8 +179,7 @@ class AdaptivePolicy:
         best = min(candidates, key=key)
         predicted = _prediction(best, reference)
         objective = turn.objectives.ttft_ms
-        admitted = self.admission.admits(best.ttft_ms, objective)
-        rejected = not admitted and p.on_infeasible == "reject"
+        rejected = best.ttft_ms > objective and p.on_infeasible == "reject"
         # The placed prefill's slow steps expose the answers decoding beside it later on.
         self._stalls.place(
             turn.request_id, None if rejected else best.workers[0], view.now_s, best.slow_steps
@@ -221,9 +216,6 @@ class AdaptivePolicy:
                 return Reject(
                     retry_after_s=p.retry_after_s, predicted=predicted, reason=f"reject: {verdict}"
                 )
-            if admitted:
-                low = self.admission.low_ratio
-                verdict += f", but {QUANTILE_TEXT} of TTFTs lately came within {low:.2f}x of theirs"
             return _decision(best, predicted, f"best effort, {verdict}")
         return _decision(best, predicted, _reason(best, reference, candidates, key, objective))
 
@@ -231,8 +223,6 @@ class AdaptivePolicy:
         placed = self._legs.pop(outcome.request_id, None)
         leg = placed[1] if placed is not None and placed[0] == outcome.action else None
         self.estimates.observe(outcome, leg)
-        if outcome.ok and outcome.action != "reject":
-            self.admission.observe(outcome.predicted.ttft_ms, outcome.ttft_ms)
         self._stalls.forget(outcome.request_id)
         self._work.finish(outcome.request_id, self._now_s)
         self._coming.finish(outcome.request_id)
