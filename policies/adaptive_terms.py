@@ -61,6 +61,7 @@ class TurnTerms:
 
     __slots__ = (
         "_answer_steps",
+        "_backlogs",
         "_cached_resident",
         "_crowding",
         "_decodes",
@@ -144,6 +145,7 @@ class TurnTerms:
         self._prefills: dict[str, _Prefill] = {}
         self._decodes: dict[str, _Decode] = {}
         self._crowding: dict[str, float] = {}
+        self._backlogs: dict[str, float] = {}
         self._stall_rates: dict[str, float] = {}
         self._answer_steps: dict[str, float] = {}
         self._host_rate: float | None = None
@@ -199,7 +201,7 @@ class TurnTerms:
             self._slots[wid] = slot
             wait = slot if slot > wait else wait
             if self._work is not None:
-                placed = self._work.backlog_ms(wid, self._now_s, self._request_id)
+                placed = self._backlog_ms(wid)
                 wait = placed if placed > wait else wait
             self._queues[wid] = wait
         return wait
@@ -317,8 +319,18 @@ class TurnTerms:
         beside = self.streams(worker) if worker.role != "prefill" else 0
         if self._work is None:
             return PrefillLeg(cached, beside)
-        ahead = self._work.backlog_ms(worker.worker_id, self._now_s, self._request_id)
-        return PrefillLeg(cached, beside, ahead)
+        return PrefillLeg(cached, beside, self._backlog_ms(worker.worker_id))
+
+    def _backlog_ms(self, worker_id: str) -> float:
+        """The prefill work placed on the worker ahead of this turn and not yet done
+        (`WorkLedger`; its queue, its prefill's steps and its leg all wait behind it)."""
+        backlog = self._backlogs.get(worker_id)
+        if backlog is None:
+            backlog = 0.0
+            if self._work is not None:
+                backlog = self._work.backlog_ms(worker_id, self._now_s, self._request_id)
+            self._backlogs[worker_id] = backlog
+        return backlog
 
     def _cached_at(self, worker_id: str) -> int:
         if worker_id == self._resident:
@@ -356,7 +368,7 @@ class TurnTerms:
         step = estimates.decode_step_ms(running, estimates.mean_context_tokens, wid)
         joined = 0.0
         if self._work is not None:
-            joined = self._work.backlog_ms(wid, self._now_s, self._request_id) / chunks
+            joined = self._backlog_ms(wid) / chunks
             # The prefills arriving while a step runs join the next one: with a share u of
             # the time spent prefilling, a step of the streams lasts step / (1 - u) and
             # carries u of that in prefills.
