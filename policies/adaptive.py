@@ -27,8 +27,9 @@ reference; off the resident worker it must win by `SEPARATION_MARGIN`); then the
 among the others; ties go to colocate, handoff, migrate, recompute, then to the lower worker
 ids: the decision depends only on the view, the estimates and the ledgers, never on the order
 of the workers.
-When the best candidate misses the objective the turn is rejected with `retry_after_s`, or
-served anyway with `on_infeasible=serve`.
+When the best candidate misses the objective, the turn is served best effort, unless it misses
+by more than a rejection sheds (`policies.admission`): then it is rejected with `retry_after_s`,
+or served anyway with `on_infeasible=serve`.
 
 `decide` records the placement in the ledgers under the request id (deciding the same turn
 again replaces it, so it returns the same decision; a split turn's decode leg is counted on
@@ -50,9 +51,10 @@ import math
 from collections.abc import Callable
 
 from policies.adaptive_candidate import TTFT_WEIGHT, Candidate
-from policies.adaptive_ledgers import LegLedger, StallLedger, WorkLedger
+from policies.adaptive_ledgers import LegLedger, StallLedger, WorkLedger, forget_oldest
 from policies.adaptive_params import AdaptiveParams as AdaptiveParams
 from policies.adaptive_scoring import Scorer
+from policies.admission import Admission
 from policies.estimates import Estimates, PrefillLeg
 from policies.load import DECODE_ROLES, PREFILL_ROLES, can_serve, load_score, reject_no_worker
 from policies.types import (
@@ -71,7 +73,6 @@ from policies.types import (
     WorkerView,
 )
 
-MAX_FRESH = 65536
 # Expected misses a placement must save against colocating on the resident worker.
 SEPARATION_MARGIN = 0.05
 _TIE_ORDER: dict[Action, int] = {"colocate": 0, "handoff": 1, "migrate": 2, "recompute": 3}
@@ -98,6 +99,7 @@ class AdaptivePolicy:
         self._now_s = -math.inf  # the latest view's time
         # Fresh sessions' first turns placed whole: what they find cached is shared.
         self._fresh: dict[str, None] = {}
+        self._admission = Admission()
         # What each placed turn's prefill leg was assumed to find (outcomes count a split
         # turn's cache hit at its decode leg).
         self._legs: dict[str, tuple[Action, PrefillLeg]] = {}
@@ -179,7 +181,9 @@ class AdaptivePolicy:
         best = min(candidates, key=key)
         predicted = _prediction(best, reference)
         objective = turn.objectives.ttft_ms
-        rejected = best.ttft_ms > objective and p.on_infeasible == "reject"
+        self._admission.note(turn.session_id, turn.request_id)
+        limit = self._admission.limit_ms(objective)
+        rejected = best.ttft_ms > limit and p.on_infeasible == "reject"
         # The placed prefill's slow steps expose the answers decoding beside it later on.
         self._stalls.place(
             turn.request_id, None if rejected else best.workers[0], view.now_s, best.slow_steps
@@ -202,20 +206,17 @@ class AdaptivePolicy:
             if best.action in ("handoff", "migrate"):
                 _remember(self._prefixes, turn, best.workers[0])
             self._legs[turn.request_id] = (best.action, best.leg)
-            if len(self._legs) > MAX_FRESH:
-                for stale in list(self._legs)[: MAX_FRESH // 4]:
-                    del self._legs[stale]
+            forget_oldest(self._legs)
         if residency is None and not rejected and best.action == "colocate":
             self._fresh[turn.request_id] = None
-            if len(self._fresh) > MAX_FRESH:
-                for stale in list(self._fresh)[: MAX_FRESH // 4]:
-                    del self._fresh[stale]
+            forget_oldest(self._fresh)
+        if rejected:
+            verdict = f"best {best.describe()} predicts TTFT {_ms(best.ttft_ms)} > {_ms(limit)}"
+            return Reject(
+                retry_after_s=p.retry_after_s, predicted=predicted, reason=f"reject: {verdict}"
+            )
         if best.ttft_ms > objective:
             verdict = f"best {best.describe()} predicts TTFT {_ms(best.ttft_ms)} > {_ms(objective)}"
-            if rejected:
-                return Reject(
-                    retry_after_s=p.retry_after_s, predicted=predicted, reason=f"reject: {verdict}"
-                )
             return _decision(best, predicted, f"best effort, {verdict}")
         return _decision(best, predicted, _reason(best, reference, candidates, key, objective))
 
@@ -294,9 +295,7 @@ def _prefix_of(table: dict[str, tuple[_Prefix, ...]], turn: Turn) -> tuple[str, 
 def _remember(table: dict[str, tuple[_Prefix, ...]], turn: Turn, worker: str) -> None:
     kept = [e for e in table.pop(turn.session_id, ()) if e[0] != turn.request_id]
     table[turn.session_id] = (*kept[-1:], (turn.request_id, worker, turn.prompt_tokens))
-    if len(table) > MAX_FRESH:
-        for stale in list(table)[: MAX_FRESH // 4]:
-            del table[stale]
+    forget_oldest(table)
 
 
 def _least_loaded(workers: list[WorkerView], count: int) -> list[WorkerView]:

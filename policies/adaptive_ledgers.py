@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from typing import TypeVar
 
 from policies.estimates import Estimates
 from policies.types import WorkerView
@@ -28,6 +29,15 @@ MAX_TRACKED_REQUESTS = 65536
 MAX_RECENT = 1024
 # The ITL objective is on the p99 of a stream's gaps: 1% of them may be slow.
 SLOW_GAP_SHARE = 0.01
+_Key = TypeVar("_Key")
+_Value = TypeVar("_Value")
+
+
+def forget_oldest(table: dict[_Key, _Value], limit: int = MAX_TRACKED_REQUESTS) -> None:
+    """Past `limit` entries, the oldest quarter goes (a dict keeps insertion order)."""
+    if len(table) > limit:
+        for key in list(table)[: limit // 4]:
+            del table[key]
 
 
 def slow_gap_budget(tokens: float) -> float:
@@ -155,10 +165,7 @@ class StallLedger:
             return
         self._add(worker, at_s, steps)
         self._entries[request_id] = (worker, at_s, steps)
-        if len(self._entries) > MAX_TRACKED_REQUESTS:
-            # The oldest entries' contributions have decayed away; forget their keys.
-            for key in list(self._entries)[: MAX_TRACKED_REQUESTS // 4]:
-                del self._entries[key]
+        forget_oldest(self._entries)  # the oldest entries' contributions have decayed away
 
     def forget(self, request_id: str) -> None:
         """Stop tracking the request (its steps stay counted)."""
