@@ -25,8 +25,8 @@ exposure below one slow gap over its budget; for a returning session, at a harm 
 expected miss of the reference's), at the least cost (I > H + dQ + dC against the colocated
 reference; off the resident worker it must win by `SEPARATION_MARGIN`); then the lower cost
 among the others; ties go to colocate, handoff, migrate, recompute, then to the lower worker
-ids: the decision depends only on the view, the estimates and the ledgers, never on the order
-of the workers.
+ids: the decision depends only on the view, the estimates, the ledgers and the sessions seen
+(`policies.admission`), never on the order of the workers.
 When the best candidate misses the objective, the turn is served best effort, unless it misses
 by more than a rejection sheds (`policies.admission`): then it is rejected with `retry_after_s`,
 or served anyway with `on_infeasible=serve`.
