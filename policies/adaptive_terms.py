@@ -200,9 +200,8 @@ class TurnTerms:
             slot = slot_wait_ms(worker, self._max_seqs, self._estimates, added, coming)
             self._slots[wid] = slot
             wait = slot if slot > wait else wait
-            if self._work is not None:
-                placed = self._backlog_ms(wid)
-                wait = placed if placed > wait else wait
+            placed = self._backlog_ms(wid)
+            wait = placed if placed > wait else wait
             self._queues[wid] = wait
         return wait
 
@@ -317,13 +316,12 @@ class TurnTerms:
 
     def _leg(self, worker: WorkerView, cached: int) -> PrefillLeg:
         beside = self.streams(worker) if worker.role != "prefill" else 0
-        if self._work is None:
-            return PrefillLeg(cached, beside)
         return PrefillLeg(cached, beside, self._backlog_ms(worker.worker_id))
 
     def _backlog_ms(self, worker_id: str) -> float:
         """The prefill work placed on the worker ahead of this turn and not yet done
-        (`WorkLedger`; its queue, its prefill's steps and its leg all wait behind it)."""
+        (`WorkLedger`, 0 without one; its queue, its prefill's steps and its leg all wait
+        behind it)."""
         backlog = self._backlogs.get(worker_id)
         if backlog is None:
             backlog = 0.0
