@@ -2,12 +2,13 @@
 
 A turn whose best placement misses its TTFT objective misses it served or rejected. Rejecting
 it frees its worker for the turns behind it, but a session that goes on sends the rejected
-prompt again in its next turn, uncached, on top of that turn's own: the shed work comes back
-larger, and that turn is the likelier to miss and be rejected in its turn. So a turn is rejected
-only when its predicted TTFT exceeds the objective by more than the share of turns that
-continue a session (`continuing`, learned from the session ids decided): fresh prompts are
-rejected past their objective, a workload of 4-turn sessions (3 turns in 4 continue one) past
-1.75 times it.
+prompt again in its next turn, uncached, on top of that turn's own: the work comes back, and
+that turn is the likelier to miss and be rejected in its turn. Of a rejected turn's work only
+the share `1 - continuing` is shed, where `continuing` is the share of turns that continue a
+session (learned from the session ids decided). So a turn is rejected only when its predicted
+TTFT, scaled by that share, still exceeds the objective: past objective / (1 - continuing).
+Fresh prompts are rejected past their objective, a workload of 2-turn sessions past twice it,
+of 4-turn sessions (3 turns in 4 continue one) past 4 times it, and never past `MAX_FACTOR`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 from policies.adaptive_ledgers import forget_oldest
 
 LEARNING_RATE = 0.01  # the share follows about the last 100 turns
+MAX_FACTOR = 20.0  # at most this many objectives: where nearly every turn continues a session
 
 
 class Admission:
@@ -43,4 +45,5 @@ class Admission:
 
     def limit_ms(self, objective_ms: float) -> float:
         """The predicted TTFT past which a turn with this objective is rejected."""
-        return objective_ms * (1.0 + self.continuing)
+        shed = 1.0 - self.continuing
+        return objective_ms / shed if shed * MAX_FACTOR > 1.0 else objective_ms * MAX_FACTOR

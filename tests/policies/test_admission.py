@@ -5,7 +5,7 @@ import pytest
 
 from policies import ClusterView, Objectives, Outcome, Reject, Turn, WorkerView, create_policy
 from policies.adaptive_ledgers import MAX_TRACKED_REQUESTS
-from policies.admission import Admission
+from policies.admission import MAX_FACTOR, Admission
 
 
 def _staggered(sessions: int, turns: int, tag: str = "") -> list[tuple[str, str]]:
@@ -29,7 +29,15 @@ def test_the_share_of_turns_continuing_a_session(turns: int, continuing: float) 
     for session, request in _staggered(400, turns):
         admission.note(session, request)
     assert admission.continuing == pytest.approx(continuing, abs=0.05)
-    assert admission.limit_ms(1000.0) == pytest.approx(1000.0 * (1.0 + admission.continuing))
+    assert admission.limit_ms(1000.0) == pytest.approx(1000.0 / (1.0 - admission.continuing))
+
+
+def test_the_limit_is_bounded_when_nearly_every_turn_continues() -> None:
+    admission = Admission()
+    for session, request in _staggered(2, 400):
+        admission.note(session, request)
+    assert admission.continuing > 1.0 - 1.0 / MAX_FACTOR
+    assert admission.limit_ms(100.0) == pytest.approx(100.0 * MAX_FACTOR)
 
 
 def test_nothing_seen_rejects_at_the_objective() -> None:
@@ -70,16 +78,31 @@ def _turn(session: str, request: str, ttft_ms: float = 1000.0) -> Turn:
 
 @pytest.mark.parametrize(
     ("history_turns", "objective_ms", "rejected"),
-    [(0, 300.0, True), (1, 300.0, True), (4, 300.0, False), (4, 200.0, True)],
-    ids=["no history", "single-turn sessions", "4-turn sessions", "4-turn sessions, far miss"],
+    [
+        (0, 300.0, True),
+        (1, 300.0, True),
+        (2, 300.0, False),
+        (2, 150.0, True),
+        (4, 120.0, False),
+        (4, 80.0, True),
+    ],
+    ids=[
+        "no history",
+        "single-turn sessions",
+        "2-turn sessions",
+        "2-turn sessions, far miss",
+        "4-turn sessions",
+        "4-turn sessions, far miss",
+    ],
 )
 def test_a_miss_is_rejected_by_what_rejection_sheds(
     history_turns: int, objective_ms: float, rejected: bool
 ) -> None:
     """A turn predicted at 400 ms: against a 300 ms objective, rejected when turns seldom
-    continue a session (the rejection sheds its work), served best effort when 3 in 4 do (the
-    session would send it again, uncached, in its next turn: the limit is 1.75 x 300 ms);
-    against 200 ms, rejected all the same."""
+    continue a session (the rejection sheds its work), served best effort when about half of them do
+    (the session would send it again, uncached, in its next turn: the limit is 300 ms / (1 -
+    0.5)), and against 120 ms when 3 in 4 do (120 ms / 0.25); rejected all the same against
+    150 ms and 80 ms."""
     policy = create_policy("adaptive")
     elsewhere = ClusterView(now_s=0.0, workers=(_worker("h1"),))  # keeps d1's ledgers clean
     for session, request in _staggered(100, history_turns):
