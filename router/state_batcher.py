@@ -2,7 +2,8 @@
 
 Every `batch_interval_s` (at once when the queue is large) the pending writes go out as ONE
 non-transactional pipeline of EVALSHAs (the session writes of a batch as a single call), and
-each caller's future is resolved from its reply.
+each caller's future is resolved from its reply. The pipeline goes over a lean connection of
+its own (`router.resp`) where the URL allows, else through redis-py.
 A batch that fails to reach Redis is put back whole and retried after recovery; the session
 script recognises its own earlier write (by write id), so a retry that was in fact applied
 still reports success.
@@ -18,9 +19,9 @@ from typing import Any
 
 import msgspec
 from redis.asyncio import Redis
-from redis.asyncio.client import Pipeline
 from redis.exceptions import NoScriptError, ReadOnlyError
 
+from router.resp import Command, LeanTarget, RespConnection
 from router.state_codec import link_from_ledger, session_from_cas, worker_encoder
 from router.state_health import UNREACHABLE, Health
 from router.state_keys import Keys
@@ -51,8 +52,11 @@ class BatchWriter:
         on_roundtrip: Callable[[str, float], None] | None,
         on_unreachable: Callable[[BaseException], None],
         reload_scripts: Callable[[], Awaitable[None]],
+        lean: LeanTarget | None = None,
     ) -> None:
         self._client = client
+        self._lean = lean
+        self._conn: RespConnection | None = None
         self._config = config
         self._keys = keys
         self._scripts = scripts
@@ -99,11 +103,10 @@ class BatchWriter:
         batch = self._queue.take(MAX_BATCH)
         if not batch:
             return
-        pipe = self._client.pipeline(transaction=False)
-        self._build(pipe, batch)
+        commands = self._commands(batch)
         started = time.perf_counter()
         try:
-            replies = await pipe.execute(raise_on_error=False)
+            replies = await self._send(commands)
         except asyncio.CancelledError:
             self._queue.restore(batch)
             raise
@@ -119,6 +122,25 @@ class BatchWriter:
             self._on_roundtrip("batch", time.perf_counter() - started)
         await self._dispatch(batch, replies)
 
+    async def _send(self, commands: list[Command]) -> list[Any]:
+        """One pipeline: its replies, error replies in place."""
+        timeout = self._config.command_timeout_s
+        if self._lean is not None:
+            conn = self._conn
+            if conn is None or conn.closed:
+                conn = self._conn = await RespConnection.open(self._lean, timeout)
+            return await conn.execute(commands, timeout)
+        pipe = self._client.pipeline(transaction=False)
+        for command in commands:
+            pipe.execute_command(*command)
+        return await pipe.execute(raise_on_error=False)
+
+    def close(self) -> None:
+        """Close the writer's own connection (the client is its owner's to close)."""
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
     def drop(self, write: SessionWrite) -> None:
         """Resolve a write that will never be sent; forget the guess it put in the view."""
         if write.optimistic is None:
@@ -128,36 +150,39 @@ class BatchWriter:
         record = entry.record if entry is not None and not entry.optimistic else None
         _resolve(write, CommitResult(ok=False, record=record))
 
-    def _build(self, pipe: Pipeline, batch: Batch) -> None:
+    def _commands(self, batch: Batch) -> list[Command]:
         keys, scripts, replica = self._keys, self._scripts, self._config.replica_id
+        commands: list[Command] = []
+        add = commands.append
         for chunk in _chunks(batch.sessions):
             writes = _encode_writes([
                 (w.session_id, w.expected_epoch, w.epoch_inc, w.turns_inc, w.owner, w.tokens,
                  w.bytes, w.write_id)
                 for w in chunk
             ])  # fmt: skip
-            pipe.evalsha(scripts.session_cas_batch, 0, keys.session_prefix,
-                         self._session_ttl_ms, keys.channel, replica, writes)  # fmt: skip
+            add(("EVALSHA", scripts.session_cas_batch, 0, keys.session_prefix,
+                 self._session_ttl_ms, keys.channel, replica, writes))  # fmt: skip
         for record in batch.workers:
-            pipe.evalsha(
-                scripts.worker_put, 2, keys.worker(record.worker_id), keys.workers_index,
-                record.worker_id, worker_encoder.encode(record), repr(record.scraped_at),
-                self._worker_ttl_ms,
-            )  # fmt: skip
+            add((
+                "EVALSHA", scripts.worker_put, 2, keys.worker(record.worker_id),
+                keys.workers_index, record.worker_id, worker_encoder.encode(record),
+                repr(record.scraped_at), self._worker_ttl_ms,
+            ))  # fmt: skip
         for src, dst, capacity in batch.capacities:
             lid, link_key, _, _ = keys.link(src, dst)
-            pipe.evalsha(
-                scripts.link_capacity, 2, link_key, keys.links_index, lid, src, dst,
+            add((
+                "EVALSHA", scripts.link_capacity, 2, link_key, keys.links_index, lid, src, dst,
                 repr(float(capacity)), self._link_ttl_ms,
-            )  # fmt: skip
+            ))  # fmt: skip
         for release in batch.releases:
             r = release.reservation
             lid, link_key, lease_key, resv_key = keys.link(r.src, r.dst)
             rate = "" if release.rate_bps is None else repr(release.rate_bps)
-            pipe.evalsha(
-                scripts.link_release, 4, link_key, lease_key, resv_key, keys.links_index, lid,
-                r.src, r.dst, r.id, rate, self._alpha, self._link_ttl_ms,
-            )  # fmt: skip
+            add((
+                "EVALSHA", scripts.link_release, 4, link_key, lease_key, resv_key,
+                keys.links_index, lid, r.src, r.dst, r.id, rate, self._alpha, self._link_ttl_ms,
+            ))  # fmt: skip
+        return commands
 
     async def _dispatch(self, batch: Batch, replies: list[Any]) -> None:
         retry = Batch([], [], [], [])

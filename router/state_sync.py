@@ -1,10 +1,11 @@
 """Keeps the local view in sync with Redis: invalidations, periodic refresh, outage recovery.
 
 One Redis client (no client-side retries: an unreachable Redis is reported at once and
-handled here) serves the writer, the refresh task, the subscriber and the request path's
-round trips. On any unreachable error the state goes degraded and `_recover` reconnects with
-backoff, resubscribes, forgets the sessions whose invalidations may have been missed, flushes
-the pending writes and refreshes, before it declares Redis back.
+handled here) serves the refresh task and the request path's round trips; the writer and the
+subscriber each have a lean connection of their own (`router.resp`) where the URL allows, else
+they use the client too. On any unreachable error the state goes degraded and `_recover`
+reconnects with backoff, resubscribes, forgets the sessions whose invalidations may have been
+missed, flushes the pending writes and refreshes, before it declares Redis back.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError
 
 from router.redis_url import close_redis, open_redis
+from router.resp import RespConnection, lean_target
 from router.state_batcher import BatchWriter
 from router.state_codec import invalidation_decoder, snapshot_from_refresh
 from router.state_health import UNREACHABLE, Health, backoff_delays
@@ -63,6 +65,7 @@ class StateSync:
             socket_connect_timeout=timeout,
             retry=Retry(NoBackoff(), 0),
         )
+        self._lean = lean_target(config.url)
         self.writer = BatchWriter(
             client=self.client,
             config=config,
@@ -75,10 +78,12 @@ class StateSync:
             on_roundtrip=on_roundtrip,
             on_unreachable=self.fail,
             reload_scripts=self._load_scripts,
+            lean=self._lean,
         )
         self.own_capacities: dict[tuple[str, str], float] = {}
         self._capacities_asserted = time.monotonic()
         self._pubsub: PubSub | None = None
+        self._subscriber: RespConnection | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._closing = False
 
@@ -112,6 +117,7 @@ class StateSync:
         for name in ("writer", "listener"):
             await self._cancel(name)
         await self._close_pubsub()
+        self.writer.close()
         await close_redis(self.client)
 
     def roundtrip(self, kind: str, started: float) -> None:
@@ -169,6 +175,16 @@ class StateSync:
         """Load the scripts and (re)subscribe to invalidations, confirmed by the server."""
         await self._load_scripts()
         await self._close_pubsub()
+        if self._lean is not None:
+            started = time.perf_counter()
+            timeout = self._config.command_timeout_s
+            subscriber = await RespConnection.open(self._lean, timeout)
+            self._subscriber = subscriber
+            await subscriber.subscribe(
+                self._keys.channel, self._on_invalidation, self.fail, timeout
+            )
+            self.roundtrip("ping", started)
+            return
         pubsub = self.client.pubsub()
         self._pubsub = pubsub
         started = time.perf_counter()
@@ -185,6 +201,9 @@ class StateSync:
         self._spawn("listener", self._listen(pubsub))
 
     async def _close_pubsub(self) -> None:
+        if self._subscriber is not None:
+            self._subscriber.close()
+            self._subscriber = None
         await self._cancel("listener")
         pubsub, self._pubsub = self._pubsub, None
         if pubsub is not None:
@@ -202,6 +221,12 @@ class StateSync:
         except Exception as error:  # without invalidations the view drifts: resubscribe
             log.exception("shared-state subscriber failed")
             self.fail(error)
+
+    def _on_invalidation(self, data: bytes) -> None:
+        try:
+            self._invalidate(data)
+        except Exception:  # one bad message must not end the subscription
+            log.exception("shared-state invalidation failed")
 
     def _invalidate(self, data: bytes) -> None:
         try:
