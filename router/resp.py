@@ -11,7 +11,8 @@ asyncio.Protocol and lets hiredis parse the replies. It serves `redis://` and `u
 
 Errors are redis-py's, so callers handle both paths alike: a refused, lost or silent
 connection raises its ConnectionError or TimeoutError, and error replies come back in place
-as ResponseError, NoScriptError or ReadOnlyError instances, as its pipelines return them.
+as the exception instances its parser makes of them (ResponseError, NoScriptError,
+ReadOnlyError, ...), as its pipelines return them. Commands are packed by hiredis.
 """
 
 from __future__ import annotations
@@ -23,15 +24,19 @@ from typing import Any, cast
 
 import hiredis
 import msgspec
+from redis._parsers.base import BaseParser
 from redis.asyncio.connection import parse_url
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from router.http.headers import set_nodelay
 
 Arg = bytes | str | int | float
-Command = Sequence[Arg]
+Command = tuple[Arg, ...]
+
+
+def _pack(command: Command) -> bytes:
+    return hiredis.pack_command(command)  # type: ignore[arg-type,no-any-return]  # stub: a 1-tuple
 
 
 class LeanTarget(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -59,38 +64,12 @@ def lean_target(url: str) -> LeanTarget | None:
     return msgspec.convert(options, LeanTarget)
 
 
-def encode_command(command: Command) -> bytes:
-    """One command as a RESP array of bulk strings (floats as repr, as redis-py sends them)."""
-    parts = [b"*%d\r\n" % len(command)]
-    for arg in command:
-        if isinstance(arg, bytes):
-            data = arg
-        elif isinstance(arg, str):
-            data = arg.encode()
-        elif isinstance(arg, int):
-            data = b"%d" % arg
-        else:
-            data = repr(arg).encode()
-        parts.append(b"$%d\r\n%b\r\n" % (len(data), data))
-    return b"".join(parts)
-
-
-def _reply_error(error: ResponseError) -> ResponseError:
-    """hiredis's error reply as the class redis-py gives it."""
-    message = str(error)
-    code, _, rest = message.partition(" ")
-    if code == "NOSCRIPT":
-        return NoScriptError(rest)
-    if code == "READONLY":
-        return ReadOnlyError(rest)
-    return error
-
-
 class RespConnection(asyncio.Protocol):
     """One connection carrying pipelined commands, or, once `subscribe`d, pushed messages."""
 
     def __init__(self) -> None:
-        self._reader = hiredis.Reader(replyError=ResponseError)
+        # error replies become redis-py's own classes (NoScriptError, ReadOnlyError, ...)
+        self._reader = hiredis.Reader(replyError=BaseParser.parse_error)
         self.transport: asyncio.Transport | None = None
         self.closed = False
         # each pending pipeline: how many replies it waits for, what came so far, its future
@@ -137,7 +116,7 @@ class RespConnection(asyncio.Protocol):
         loop = asyncio.get_running_loop()
         future: asyncio.Future[list[Any]] = loop.create_future()
         self._pending.append((len(commands), [], future))
-        self.transport.write(b"".join([encode_command(c) for c in commands]))
+        self.transport.write(b"".join([_pack(c) for c in commands]))
         timer = loop.call_later(timeout_s, self._time_out, future, timeout_s)
         try:
             return await future
@@ -158,7 +137,7 @@ class RespConnection(asyncio.Protocol):
         loop = asyncio.get_running_loop()
         self._subscribed = loop.create_future()
         self._on_message, self._on_lost = on_message, on_lost
-        self.transport.write(encode_command(("SUBSCRIBE", channel)))
+        self.transport.write(_pack(("SUBSCRIBE", channel)))
         try:
             async with asyncio.timeout(timeout_s):
                 await self._subscribed
@@ -203,7 +182,7 @@ class RespConnection(asyncio.Protocol):
             self._lose(RedisConnectionError("Redis sent a reply nobody asked for"))
             return
         wanted, replies, future = self._pending[0]
-        replies.append(_reply_error(reply) if isinstance(reply, ResponseError) else reply)
+        replies.append(reply)
         if len(replies) == wanted:
             self._pending.popleft()
             if not future.done():

@@ -10,7 +10,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from router.resp import LeanTarget, RespConnection, encode_command, lean_target
+from router.resp import LeanTarget, RespConnection, lean_target
 
 
 @pytest.mark.parametrize(
@@ -31,12 +31,6 @@ def test_lean_target_of_a_url(url: str, target: LeanTarget | None) -> None:
     """Plain TCP and unix URLs go lean; TLS, Sentinel and options only redis-py implements
     stay on redis-py."""
     assert lean_target(url) == target
-
-
-def test_a_command_is_a_resp_array_of_bulk_strings() -> None:
-    assert encode_command(("SET", "k", b"v\r\n", 42, 0.1)) == (
-        b"*5\r\n$3\r\nSET\r\n$1\r\nk\r\n$3\r\nv\r\n\r\n$2\r\n42\r\n$3\r\n0.1\r\n"
-    )
 
 
 @pytest.fixture
@@ -65,6 +59,15 @@ async def test_a_pipeline_answers_in_order_with_errors_in_place(lean: RespConnec
     assert type(replies[1]) is ResponseError and "not an integer" in str(replies[1])
     assert isinstance(replies[2], NoScriptError)
     assert replies[3:] == [3, b"v\x00w", 1]
+
+
+async def test_arguments_arrive_as_redis_py_sends_them(lean: RespConnection) -> None:
+    """Bytes verbatim (CRLF included), ints in decimal, floats as their repr."""
+    key = f"resp-{uuid.uuid4().hex}"
+    replies = await lean.execute(
+        [("RPUSH", key, b"v\r\n", 42, 0.1), ("LRANGE", key, 0, -1), ("DEL", key)], 2.0
+    )
+    assert replies == [3, [b"v\r\n", b"42", b"0.1"], 1]
 
 
 async def test_pipelines_sent_back_to_back_get_their_own_replies(lean: RespConnection) -> None:
