@@ -55,6 +55,7 @@ from policies.adaptive_ledgers import LegLedger, StallLedger, WorkLedger, forget
 from policies.adaptive_params import AdaptiveParams as AdaptiveParams
 from policies.adaptive_scoring import Scorer
 from policies.admission import Admission
+from policies.calibration import Average
 from policies.estimates import Estimates, PrefillLeg
 from policies.load import DECODE_ROLES, PREFILL_ROLES, can_serve, load_score, reject_no_worker
 from policies.types import (
@@ -100,6 +101,9 @@ class AdaptivePolicy:
         # Fresh sessions' first turns placed whole: what they find cached is shared.
         self._fresh: dict[str, None] = {}
         self._admission = Admission()
+        # The mean prefill this policy places (predicted when placed): a placed request's
+        # size in the queue ahead of later ones, relative to it.
+        self._placed_prefill: Average | None = None
         # What each placed turn's prefill leg was assumed to find (outcomes count a split
         # turn's cache hit at its decode leg).
         self._legs: dict[str, tuple[Action, PrefillLeg]] = {}
@@ -190,7 +194,11 @@ class AdaptivePolicy:
         )
         # Its prefill keeps that worker busy: the turns placed there next wait behind it.
         self._work.place(
-            turn.request_id, None if rejected else best.workers[0], view.now_s, best.work_ms
+            turn.request_id,
+            None if rejected else best.workers[0],
+            view.now_s,
+            best.work_ms,
+            self._weigh(best.prefill_ms) if not rejected else 1.0,
         )
         # Its decode leg takes a slot and KV where it goes, unseen until its prefill ends.
         split = not rejected and len(best.workers) > 1
@@ -219,6 +227,16 @@ class AdaptivePolicy:
             verdict = f"best {best.describe()} predicts TTFT {_ms(best.ttft_ms)} > {_ms(objective)}"
             return _decision(best, predicted, f"best effort, {verdict}")
         return _decision(best, predicted, _reason(best, reference, candidates, key, objective))
+
+    def _weigh(self, prefill_ms: float) -> float:
+        """A placed prefill's size in mean placed prefills (`WorkLedger.queued`)."""
+        mean = self._placed_prefill
+        if mean is None:
+            self._placed_prefill = Average(prefill_ms, self.params.learning_rate)
+            return 1.0
+        weight = prefill_ms / mean.value if mean.value > 0.0 else 1.0
+        mean.add(prefill_ms)
+        return weight
 
     def observe(self, outcome: Outcome) -> None:
         placed = self._legs.pop(outcome.request_id, None)

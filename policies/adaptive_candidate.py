@@ -27,6 +27,7 @@ class Candidate:
         "leg",
         "leg_tokens",
         "misses",
+        "prefill_ms",
         "queue_ms",
         "risk",
         "sent_ms",
@@ -56,8 +57,11 @@ class Candidate:
         transfer_ms: float = 0.0,
         sent_ms: float = 0.0,
         leg_tokens: int = 0,
+        prefill_ms: float | None = None,
     ) -> None:
         self.work_ms = work_ms
+        # Its prefill alone: what a request queued behind it there waits for it.
+        self.prefill_ms = compute_ms if prefill_ms is None else prefill_ms
         # A split turn's decode leg: sent when its prefill ends, with the KV it adds there.
         self.sent_ms = sent_ms
         self.leg_tokens = leg_tokens

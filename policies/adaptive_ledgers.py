@@ -29,6 +29,8 @@ MAX_TRACKED_REQUESTS = 65536
 MAX_RECENT = 1024
 # The ITL objective is on the p99 of a stream's gaps: 1% of them may be slow.
 SLOW_GAP_SHARE = 0.01
+# request -> (worker, busy until before it, busy until after it, placed at, work s, weight)
+_WorkEntry = tuple[str, float, float, float, float, float]
 _Key = TypeVar("_Key")
 _Value = TypeVar("_Value")
 
@@ -223,7 +225,7 @@ class WorkLedger:
         # worker -> (work placed, decaying with time constant window_s, in s; as of time)
         self._rates: dict[str, tuple[float, float]] = {}
         # request -> (worker, busy until before it, busy until after it, placed at, work s)
-        self._entries: dict[str, tuple[str, float, float, float, float]] = {}
+        self._entries: dict[str, _WorkEntry] = {}
         # worker -> the latest requests placed there, in placement order
         self._recent: dict[str, deque[tuple[float, str]]] = {}
         # worker -> how often its `_recent` holds each (placed at, request), and how many of
@@ -231,7 +233,17 @@ class WorkLedger:
         self._held: dict[str, dict[tuple[float, str], int]] = {}
         self._current: dict[str, int] = {}
 
-    def place(self, request_id: str, worker: str | None, at_s: float, work_ms: float) -> None:
+    def place(
+        self,
+        request_id: str,
+        worker: str | None,
+        at_s: float,
+        work_ms: float,
+        weight: float = 1.0,
+    ) -> None:
+        """`request_id`'s prefill of `work_ms` placed on `worker` at `at_s` (None or no work:
+        nothing placed); `weight`: what it costs a request queued behind it, in typical
+        prefills (`Estimates.queue_wait_ms`)."""
         old = self._drop(request_id)
         if old is not None:
             busy = self._busy.get(old[0])
@@ -247,12 +259,12 @@ class WorkLedger:
         if worker in self._busy or len(self._busy) < MAX_TRACKED_WORKERS:
             self._busy[worker] = after
             self._rate_add(worker, at_s, work_s)
-            self._enter(request_id, (worker, before, after, at_s, work_s))
+            self._enter(request_id, (worker, before, after, at_s, work_s, weight))
         if len(self._entries) > MAX_TRACKED_REQUESTS:
             for key in list(self._entries)[: MAX_TRACKED_REQUESTS // 4]:
                 self._drop(key)
 
-    def _enter(self, request_id: str, entry: tuple[str, float, float, float, float]) -> None:
+    def _enter(self, request_id: str, entry: _WorkEntry) -> None:
         """Make `entry` the request's and the latest placement on its worker (the oldest
         falls out of a full `_recent`)."""
         worker, at_s = entry[0], entry[3]
@@ -278,7 +290,7 @@ class WorkLedger:
         # A copy placed before, at the same time on the same worker, is current again too.
         self._current[worker] += copies
 
-    def _drop(self, request_id: str) -> tuple[str, float, float, float, float] | None:
+    def _drop(self, request_id: str) -> _WorkEntry | None:
         """Forget the request's entry: its copies in `_recent` are stale from now on."""
         entry = self._entries.pop(request_id, None)
         if entry is not None:
@@ -332,6 +344,37 @@ class WorkLedger:
             bound = (bound if bound > at_s else at_s) + work_s
         if busy > bound:
             self._busy[worker] = bound
+
+    def queued(
+        self, worker: str, scraped_s: float, waiting: int, exclude: str = ""
+    ) -> tuple[int, float]:
+        """(how many, their weights) of the requests a scrape of `worker` at `scraped_s` that
+        saw `waiting` queued leaves ahead of a new one there that this policy placed:
+        those placed since the scrape (it has not seen them) and the last `waiting` placed
+        before it (first come, first served), the asking request's own left out."""
+        recent = self._recent.get(worker)
+        if recent is None:
+            return 0, 0.0
+        entries = self._entries
+        counted = {exclude}  # a request placed again at once has two copies
+        weight = 0.0
+        current = self._current[worker]
+        for at_s, request_id in reversed(recent):
+            if not current:
+                break  # the rest are stale
+            entry = entries.get(request_id)
+            if entry is None or entry[0] != worker or entry[3] != at_s:
+                continue  # placed again since, or forgotten
+            current -= 1
+            if request_id in counted:
+                continue
+            if at_s < scraped_s:
+                if waiting <= 0:
+                    break
+                waiting -= 1
+            counted.add(request_id)
+            weight += entry[5]
+        return len(counted) - 1, weight
 
     def backlog_ms(self, worker: str, now_s: float, exclude: str = "") -> float:
         busy = self._busy.get(worker)

@@ -140,4 +140,5 @@ class Scorer(TurnTerms):
             transfer_ms=transfer,
             sent_ms=sent,
             leg_tokens=lacking + self._own_gaps + 1,
+            prefill_ms=local.compute_ms,
         )

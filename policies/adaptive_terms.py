@@ -194,7 +194,7 @@ class TurnTerms:
         wid = worker.worker_id
         wait = self._queues.get(wid)
         if wait is None:
-            wait = self._estimates.queue_wait_ms(queue_ahead(worker))
+            wait = self._estimates.queue_wait_ms(self._ahead(worker))
             coming = self._coming(wid)[0]
             added = self._streams_of(wid)
             slot = slot_wait_ms(worker, self._max_seqs, self._estimates, added, coming)
@@ -204,6 +204,19 @@ class TurnTerms:
             wait = placed if placed > wait else wait
             self._queues[wid] = wait
         return wait
+
+    def _ahead(self, worker: WorkerView) -> float:
+        """The requests queued at `worker` (`queue_ahead`) in typical prefills: those this
+        policy placed there by their predicted prefills (the learned wait per request
+        averages the workload's prompts, long ones included), the others one each."""
+        depth = queue_ahead(worker)
+        if depth <= 0 or self._work is None:
+            return float(depth)
+        scraped = self._now_s - worker.scraped_age_s
+        own, weight = self._work.queued(worker.worker_id, scraped, worker.waiting, self._request_id)
+        if own >= depth:  # the scrape is older than some of them finished
+            return weight * depth / own
+        return depth - own + weight
 
     def pace(self, worker: WorkerView) -> float:
         """The answer's decode step on `worker` beside its streams, over the ITL objective: the
@@ -316,7 +329,8 @@ class TurnTerms:
 
     def _leg(self, worker: WorkerView, cached: int) -> PrefillLeg:
         beside = self.streams(worker) if worker.role != "prefill" else 0
-        return PrefillLeg(cached, beside, self._backlog_ms(worker.worker_id))
+        queued = self._ahead(worker)
+        return PrefillLeg(cached, beside, self._backlog_ms(worker.worker_id), queued)
 
     def _backlog_ms(self, worker_id: str) -> float:
         """The prefill work placed on the worker ahead of this turn and not yet done

@@ -122,8 +122,9 @@ class QueueModel:
             wait += self.factor * depth * typical_ms
         return wait if wait > 0.0 else 0.0
 
-    def observe(self, wait_ms: float, depth: int, typical_ms: float) -> None:
-        """One wait sample of a turn that found `depth` requests queued ahead of it."""
+    def observe(self, wait_ms: float, depth: float, typical_ms: float) -> None:
+        """One wait sample of a turn that found `depth` requests queued ahead of it (in
+        typical prefills)."""
         if not math.isfinite(wait_ms):
             return
         if depth <= 0:

@@ -18,7 +18,8 @@ B = HBM bytes/s x tp x 0.85 (the prior's efficiencies):
       memory  = (W + kv b (x + 1)) / B
       step    = O + max(gc x compute, gm x memory)
 - queue wait behind q requests: max(0, base + fq x q x typical), where `typical` is the EWMA
-  of the predicted prefill of each turn served (what a request ahead costs); the router
+  of the predicted prefill of each turn served (what a request ahead costs; a request whose
+  prefill its placement predicted counts as that prediction over the `typical` of then); the router
   measures the wait only inside a stage, the prefill leg of a split turn or the TTFT of a
   whole one, so each wait sample is that stage less its predicted prefill
   (`policies.calibration`, which holds the learning parts);
@@ -198,7 +199,8 @@ class Estimates:
         return self._typical_prefill.value
 
     def queue_wait_ms(self, depth: float) -> float:
-        """Wait before a new request's prefill starts behind `depth` queued requests."""
+        """Wait before a new request's prefill starts behind `depth` queued requests (of the
+        typical prefill; a fraction or a multiple of one where their prefills are known)."""
         return self._queue.wait_ms(depth, self._typical_prefill.value)
 
     def link_bps(self, src: str, dst: str) -> float | None:
@@ -239,7 +241,7 @@ class Estimates:
         if stage is not None:
             self._observe_prefill(outcome, leg, stage, queued or 0.0)
         elif queued is not None:
-            self._queue.observe(queued, _depth(outcome), self._typical_prefill.value)
+            self._queue.observe(queued, _ahead(leg, outcome), self._typical_prefill.value)
         if decoded or stage is not None:
             self._observe_size(outcome, leg)
         if plausible(outcome.transfer_ms, STAGE_MS_MAX) and outcome.transfer_bytes > 0:
@@ -281,7 +283,8 @@ class Estimates:
                 self._prefill, self._prefill_by_worker, worker if measured else None, terms,
                 stage - ahead,
             )  # fmt: skip
-        self._queue.observe(queued + stage - predicted, depth, self._typical_prefill.value)
+        self._queue.observe(queued + stage - predicted, _ahead(leg, outcome),
+                            self._typical_prefill.value)  # fmt: skip
 
     def _observe_size(self, outcome: Outcome, leg: PrefillLeg) -> None:
         """What a request ahead in a queue costs: this workload's prefill, as predicted (an
@@ -330,12 +333,14 @@ WHOLE_ACTIONS = ("colocate", "recompute")
 
 class PrefillLeg(NamedTuple):
     """A turn's prefill as placed: tokens cached on its worker, decode streams beside it,
-    and the ms of prefill work placed there before it and not yet done (no scrape counts a
-    prefill already running, however long)."""
+    the ms of prefill work placed there before it and not yet done (no scrape counts a
+    prefill already running, however long), and the requests queued ahead of it in typical
+    prefills (`Estimates.queue_wait_ms`; None: the outcome's `worker_waiting_at_start`)."""
 
     cached: int
     beside: int
     ahead_ms: float = 0.0
+    queued: float | None = None
 
 
 def _prefill_stage(outcome: Outcome, queued: float | None) -> float | None:
@@ -355,6 +360,11 @@ def _leg_of(outcome: Outcome, running: int) -> PrefillLeg:
     beside it where the turn decoded on the same worker (a split one's prefill worker: none)."""
     beside = running if outcome.action in WHOLE_ACTIONS else 0
     return PrefillLeg(outcome.cached_tokens, beside)
+
+
+def _ahead(leg: PrefillLeg, outcome: Outcome) -> float:
+    """The requests queued ahead of the turn when it was placed, in typical prefills."""
+    return leg.queued if leg.queued is not None else _depth(outcome)
 
 
 def _depth(outcome: Outcome) -> int:

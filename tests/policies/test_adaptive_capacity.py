@@ -22,6 +22,7 @@ from policies.adaptive import AdaptivePolicy, _rank_key
 from policies.adaptive_candidate import Candidate
 from policies.adaptive_ledgers import WorkLedger, slot_wait_ms
 from policies.adaptive_scoring import Scorer
+from policies.calibration import queue_ahead
 from policies.estimates import Estimates, PrefillLeg
 from policies.types import Action, WorkerView
 from tests.policies.views import w
@@ -36,7 +37,10 @@ def turn(prompt: int, request: str = "r1", itl_ms: float = 100.0, tokens: int = 
 
 
 def scorer(
-    t: Turn, workers: tuple[WorkerView, ...], estimates: Estimates | None = None, cap: int = 256
+    t: Turn,
+    workers: tuple[WorkerView, ...],
+    estimates: Estimates | None = None,
+    cap: int = 256,
 ) -> Scorer:
     cluster = ClusterView(now_s=10.0, workers=workers)
     est = estimates if estimates is not None else Estimates.from_presets()
@@ -70,6 +74,90 @@ def test_settle_bounds_the_placed_work_by_what_a_scrape_saw(
     assert ledger.backlog_ms("m1", 9.97) == pytest.approx(backlog, abs=1e-6)
     ledger.finish("r3", 9.97)
     assert ledger.backlog_ms("m1", 9.97) == pytest.approx(0.0, abs=1e-6)
+
+
+# (scraped at, queued at the scrape, requests ahead this policy placed, their weight)
+QUEUED = [
+    (9.45, 0, 1, 3.0),  # placed since the scrape: r4 (r3 went to another worker)
+    (9.45, 1, 2, 5.0),  # and the last one placed before it, still queued: r2
+    (9.45, 2, 3, 5.5),  # and r1
+    (9.45, 9, 3, 5.5),  # more queued than it placed there: the rest are others'
+    (9.05, 0, 2, 5.0),  # r2 and r4 placed since (r1 before: running or done)
+    (9.6, 0, 0, 0.0),  # all seen, none queued
+]
+
+
+@pytest.mark.parametrize(("scraped", "waiting", "count", "weight"), QUEUED)
+def test_queued_counts_its_requests_a_scrape_leaves_ahead_by_weight(
+    scraped: float, waiting: int, count: int, weight: float
+) -> None:
+    ledger = WorkLedger()
+    ledger.place("r1", "m1", 9.0, 100.0, 0.5)
+    ledger.place("r2", "m1", 9.1, 100.0, 1.0)
+    ledger.place("r2", "m1", 9.2, 100.0, 2.0)  # decided again: replaced
+    ledger.place("r2", "m1", 9.2, 100.0, 2.0)  # and again, at the same time
+    ledger.place("r3", "m1", 9.3, 100.0, 7.0)
+    ledger.place("r3", "m2", 9.4, 100.0, 7.0)  # decided again, elsewhere: it moves
+    ledger.place("r4", "m1", 9.5, 100.0, 3.0)
+    ledger.place("r5", None, 9.5, 0.0)  # rejected: nothing placed
+    assert ledger.queued("m1", scraped, waiting) == (count, pytest.approx(weight))
+    if count:  # the asking request's own is left out
+        assert ledger.queued("m1", scraped, waiting, exclude="r4") == (
+            count - 1, pytest.approx(weight - 3.0)
+        )  # fmt: skip
+    ledger.finish("r4", 9.7)
+    ledger.finish("r2", 9.7)
+    ledger.finish("r2", 9.7)  # twice: nothing more to take back
+    assert ledger.queued("m1", 9.5, 0) == (0, 0.0)
+    assert ledger.queued("m1", 9.5, 1) == (1, pytest.approx(0.5))
+    assert ledger.queued("m1", 9.0, 0) == (1, pytest.approx(0.5))  # placed as it scraped
+    assert ledger.queued("m9", 8.0, 0) == (0, 0.0)
+
+
+# The worker's scrape saw `waiting` queued, and the fleet has `unseen` requests in flight
+# there it has not counted; this policy placed `own` of them (the latest), each a prefill
+# of `weight` typical ones. The others count one typical prefill each.
+AHEAD = [
+    (0, 1, 1, 0.1, 0.1),  # a short prompt placed since the scrape
+    (0, 3, 3, 0.1, 0.3),
+    (0, 3, 1, 4.0, 6.0),  # a long one, and two others'
+    (2, 0, 2, 0.5, 1.0),  # its own, seen queued
+    (3, 0, 1, 0.5, 2.5),
+    (0, 2, 4, 0.5, 1.0),  # more placed than the count holds: the scrape is stale
+    (0, 0, 2, 0.5, 0.0),  # nothing queued
+]
+
+
+@pytest.mark.parametrize(("waiting", "unseen", "own", "weight", "ahead"), AHEAD)
+def test_the_queue_counts_its_own_requests_by_their_prefills(
+    waiting: int, unseen: int, own: int, weight: float, ahead: float
+) -> None:
+    """The learned wait per queued request averages the workload's prefills (long ones
+    included); the requests this policy placed count by their own predicted prefills."""
+    estimates = Estimates.from_presets()
+    work = WorkLedger()
+    for i in range(own):
+        work.place(f"q{i}", "m1", 9.99, 10.0, weight)
+    worker = w("m1", running=4, waiting=waiting, inflight=4 + waiting + unseen,
+               scraped_age_s=0.5)  # fmt: skip
+    t = turn(64)
+    terms = Scorer(
+        t, ClusterView(now_s=10.0, workers=(worker,)), estimates, links={}, horizon_s=1.0,
+        default_bps=12.5e9, max_seqs=256, work=work,
+    )  # fmt: skip
+    backlog = work.backlog_ms("m1", 10.0)
+    expected = max(estimates.queue_wait_ms(ahead), backlog)
+    assert terms.queue_ms(worker) == pytest.approx(expected)
+    # Without its ledger every request queued there waits the learned average.
+    alone = scorer(t, (worker,), estimates)
+    assert alone.queue_ms(worker) == pytest.approx(estimates.queue_wait_ms(queue_ahead(worker)))
+
+
+def test_a_placed_prefill_weighs_against_the_mean_placed() -> None:
+    policy = AdaptivePolicy()
+    weights = [policy._weigh(ms) for ms in (100.0, 100.0, 10.0, 400.0)]
+    assert weights[:3] == pytest.approx([1.0, 1.0, 0.1])
+    assert weights[3] == pytest.approx(400.0 / 70.0)  # the mean of those placed before
 
 
 def test_utilisation_is_the_recent_share_of_time_placed_work_takes() -> None:

@@ -71,8 +71,8 @@ def test_a_handoffs_prefill_worker_keeps_the_sessions_prompt_cached() -> None:
     scorer = Scorer(nxt, cluster, policy.estimates, links={}, horizon_s=1.0,
                     default_bps=12.5e9, prefix=("p1", 8000))  # fmt: skip
     cached, cold = scorer.handoff(workers[0], workers[2]), scorer.handoff(workers[1], workers[2])
-    assert cached.leg == PrefillLeg(8000, 0)
-    assert cold.leg == PrefillLeg(0, 0)
+    assert cached.leg == PrefillLeg(8000, 0, queued=0.0)
+    assert cold.leg == PrefillLeg(0, 0, queued=0.0)
     assert cached.compute_ms < cold.compute_ms / 2
     second = policy.decide(nxt, cluster)
     assert isinstance(second, Handoff)

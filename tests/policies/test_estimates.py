@@ -198,6 +198,34 @@ def test_queue_wait_learns_the_cost_of_each_request_ahead() -> None:
     assert prefill < 0.15
 
 
+def test_queue_wait_learns_from_the_queue_the_placement_weighed() -> None:
+    """A placement that knew the prefills ahead (`PrefillLeg.queued`, in typical prefills)
+    teaches the wait per typical prefill from that, not from the count of requests ahead:
+    many short prompts ahead wait little."""
+    truth = Truth()
+    estimates = Estimates.from_presets("h200-sxm")
+    rng = random.Random(12)
+    typical = 0.0
+    for _ in range(400):
+        count = rng.choice((0, rng.randint(1, 12)))
+        weight = rng.choice((0.1, 1.0, 3.0))  # short, typical or long prompts ahead
+        outcome = measured_outcome(rng, truth, "handoff", queue_ms=0.0)
+        typical = estimates.typical_prefill_ms
+        wait = typical * weight * count
+        assert outcome.prefill_ms is not None
+        leg = PrefillLeg(0, 0, 0.0, queued=weight * count)
+        estimates.observe(
+            msgspec.structs.replace(
+                outcome, prefill_ms=outcome.prefill_ms + wait, worker_waiting_at_start=count
+            ),
+            leg,
+        )
+    for queued in (4.0, 10.0):
+        assert estimates.queue_wait_ms(queued) == pytest.approx(typical * queued, rel=0.15)
+    # Twelve short prompts ahead wait like one or two typical ones, not twelve.
+    assert estimates.queue_wait_ms(12 * 0.1) < estimates.queue_wait_ms(12.0) / 4
+
+
 def test_link_rate_is_an_ewma_of_observed_transfers() -> None:
     estimates = Estimates.from_presets(rate=0.5)
     assert estimates.link_bps("p1", "d1") is None
