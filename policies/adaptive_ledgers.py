@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Iterator
 from typing import TypeVar
 
 from policies.estimates import Estimates
@@ -309,6 +310,23 @@ class WorkLedger:
             if ahead > 0.0:
                 self._busy[entry[0]] = busy - ahead
 
+    def _latest(self, worker: str) -> Iterator[tuple[float, str, _WorkEntry]]:
+        """The requests placed on `worker` and not finished, latest first: (placed at,
+        request, entry); a request placed again at once comes twice."""
+        recent = self._recent.get(worker)
+        if recent is None:
+            return
+        entries = self._entries
+        current = self._current[worker]
+        for at_s, request_id in reversed(recent):
+            if not current:
+                return  # the rest are stale
+            entry = entries.get(request_id)
+            if entry is None or entry[0] != worker or entry[3] != at_s:
+                continue  # placed again since, or forgotten
+            current -= 1
+            yield at_s, request_id, entry
+
     def settle(self, worker: str, scraped_s: float, queued: int) -> None:
         """A scrape at `scraped_s` saw `queued` requests waiting on `worker`: the last ones
         placed there before it (first come, first served); what was placed before them is
@@ -316,20 +334,11 @@ class WorkLedger:
         is busy at most until that, their work and then the work placed since (each from its
         placement on) are done."""
         busy = self._busy.get(worker)
-        recent = self._recent.get(worker)
-        if busy is None or recent is None:
+        if busy is None:
             return
-        entries = self._entries
         since: list[tuple[float, float]] = []
         bound = scraped_s
-        current = self._current[worker]
-        for at_s, request_id in reversed(recent):
-            if not current:
-                break  # the rest are stale
-            entry = entries.get(request_id)
-            if entry is None or entry[0] != worker or entry[3] != at_s:
-                continue  # placed again since, or forgotten
-            current -= 1
+        for at_s, _, entry in self._latest(worker):
             if at_s >= scraped_s:
                 since.append((at_s, entry[4]))
             elif queued > 0:
@@ -352,20 +361,9 @@ class WorkLedger:
         saw `waiting` queued leaves ahead of a new one there that this policy placed:
         those placed since the scrape (it has not seen them) and the last `waiting` placed
         before it (first come, first served), the asking request's own left out."""
-        recent = self._recent.get(worker)
-        if recent is None:
-            return 0, 0.0
-        entries = self._entries
         counted = {exclude}  # a request placed again at once has two copies
         weight = 0.0
-        current = self._current[worker]
-        for at_s, request_id in reversed(recent):
-            if not current:
-                break  # the rest are stale
-            entry = entries.get(request_id)
-            if entry is None or entry[0] != worker or entry[3] != at_s:
-                continue  # placed again since, or forgotten
-            current -= 1
+        for at_s, request_id, entry in self._latest(worker):
             if request_id in counted:
                 continue
             if at_s < scraped_s:
