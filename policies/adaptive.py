@@ -50,10 +50,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from policies.adaptive_candidate import TTFT_WEIGHT, Candidate
-from policies.adaptive_ledgers import LegLedger, StallLedger, WorkLedger, forget_oldest
+from policies.adaptive_candidate import Candidate
+from policies.adaptive_decision import decision_of, explain, ms_text, predicted_terms
+from policies.adaptive_ledgers import LegLedger, StallLedger, forget_oldest
 from policies.adaptive_params import AdaptiveParams as AdaptiveParams
 from policies.adaptive_scoring import Scorer
+from policies.adaptive_work import WorkLedger
 from policies.admission import Admission
 from policies.calibration import Average
 from policies.estimates import Estimates, PrefillLeg
@@ -61,14 +63,9 @@ from policies.load import DECODE_ROLES, PREFILL_ROLES, can_serve, load_score, re
 from policies.types import (
     Action,
     ClusterView,
-    Colocate,
     Decision,
-    Handoff,
     LinkView,
-    Migrate,
     Outcome,
-    Prediction,
-    Recompute,
     Reject,
     Turn,
     WorkerView,
@@ -183,7 +180,7 @@ class AdaptivePolicy:
         if resident is not None:
             key = _rank_key(turn, reference)
         best = min(candidates, key=key)
-        predicted = _prediction(best, reference)
+        predicted = predicted_terms(best, reference)
         objective = turn.objectives.ttft_ms
         self._admission.note(turn.session_id, turn.request_id)
         limit = self._admission.limit_ms(objective)
@@ -218,15 +215,13 @@ class AdaptivePolicy:
         if residency is None and not rejected and best.action == "colocate":
             self._fresh[turn.request_id] = None
             forget_oldest(self._fresh)
+        verdict = f"best {best.describe()} predicts TTFT {ms_text(best.ttft_ms)} > "
         if rejected:
-            verdict = f"best {best.describe()} predicts TTFT {_ms(best.ttft_ms)} > {_ms(limit)}"
-            return Reject(
-                retry_after_s=p.retry_after_s, predicted=predicted, reason=f"reject: {verdict}"
-            )
+            reason = f"reject: {verdict}{ms_text(limit)}"
+            return Reject(retry_after_s=p.retry_after_s, predicted=predicted, reason=reason)
         if best.ttft_ms > objective:
-            verdict = f"best {best.describe()} predicts TTFT {_ms(best.ttft_ms)} > {_ms(objective)}"
-            return _decision(best, predicted, f"best effort, {verdict}")
-        return _decision(best, predicted, _reason(best, reference, candidates, key, objective))
+            return decision_of(best, predicted, f"best effort, {verdict}{ms_text(objective)}")
+        return decision_of(best, predicted, explain(best, reference, candidates, key, objective))
 
     def _weigh(self, prefill_ms: float) -> float:
         """A placed prefill's size in mean placed prefills (`WorkLedger.queued`)."""
@@ -331,86 +326,3 @@ def _overloaded(worker: WorkerView, params: AdaptiveParams) -> bool:
         worker.waiting >= params.migrate_queue_threshold
         or worker.kv_usage >= params.migrate_kv_usage
     )
-
-
-def _prediction(chosen: Candidate, reference: Candidate) -> Prediction:
-    if chosen is reference:
-        return Prediction(interference_ms=chosen.interference_ms, ttft_ms=chosen.ttft_ms)
-    avoided = reference.interference_ms - chosen.interference_ms
-    return Prediction(
-        interference_ms=avoided if avoided > 0.0 else 0.0,
-        exposed_transfer_ms=chosen.transfer_ms,
-        queue_delta_ms=chosen.queue_ms - reference.queue_ms,
-        compute_delta_ms=chosen.compute_ms - reference.compute_ms,
-        ttft_ms=chosen.ttft_ms,
-    )
-
-
-def _separation(candidate: Candidate, reference: Candidate) -> tuple[float, float]:
-    """(I avoided, H + dQ + dC) of `candidate` against the colocated `reference`, in expected
-    objective misses (policies.adaptive_scoring)."""
-    avoided = reference.interference - candidate.interference
-    added = candidate.risk - reference.risk + TTFT_WEIGHT * (_share(candidate) - _share(reference))
-    return avoided, added
-
-
-def _share(candidate: Candidate) -> float:
-    return (candidate.cost - candidate.misses) / TTFT_WEIGHT
-
-
-def _reason(
-    best: Candidate,
-    reference: Candidate,
-    candidates: list[Candidate],
-    key: Callable[[Candidate], tuple[bool, float, int, tuple[str, ...]]],
-    objective: float,
-) -> str:
-    if best is not reference:
-        avoided, added = _separation(best, reference)
-        text = f"{best.describe()}: {_inequality(best, avoided, added)}"
-        if avoided <= added:
-            text += f"; {reference.describe()} misses TTFT ({_ms(reference.ttft_ms)})"
-        return text
-    rivals = [c for c in candidates if c is not reference]
-    if not rivals:
-        return f"{best.describe()}: the only candidate"
-    rival = min(rivals, key=key)
-    avoided, added = _separation(rival, reference)
-    text = f"{best.describe()}: {_inequality(rival, avoided, added)} of {rival.describe()}"
-    if rival.ttft_ms > objective:
-        text += f", which misses TTFT ({_ms(rival.ttft_ms)})"
-    return text
-
-
-def _inequality(candidate: Candidate, avoided: float, added: float) -> str:
-    relation = ">" if avoided > added else "<="
-    return (
-        f"I={avoided:.2f} {relation} H+dQ+dC={added:.2f} misses "
-        f"(H={_ms(candidate.transfer_ms)}, TTFT {_ms(candidate.ttft_ms)})"
-    )
-
-
-def _ms(value: float) -> str:
-    text = f"{value:.0f}"
-    return ("0" if text == "-0" else text) + "ms"
-
-
-def _decision(candidate: Candidate, predicted: Prediction, reason: str) -> Decision:
-    first = candidate.workers[0]
-    match candidate.action:
-        case "colocate":
-            return Colocate(worker=first, predicted=predicted, reason=reason)
-        case "recompute":
-            return Recompute(worker=first, predicted=predicted, reason=reason)
-        case "handoff":
-            return Handoff(
-                prefill_worker=first,
-                decode_worker=candidate.workers[1],
-                predicted=predicted,
-                reason=reason,
-            )
-        case "migrate":
-            return Migrate(
-                source=first, destination=candidate.workers[1], predicted=predicted, reason=reason
-            )
-    raise AssertionError(f"no decision for action {candidate.action!r}")

@@ -15,12 +15,12 @@ from typing import NamedTuple
 from policies.adaptive_ledgers import (
     LegLedger,
     StallLedger,
-    WorkLedger,
     kv_crowding,
     poisson_tail,
     slot_wait_ms,
     slow_gap_budget,
 )
+from policies.adaptive_work import WorkLedger
 from policies.calibration import queue_ahead
 from policies.estimates import Estimates, PrefillLeg
 from policies.types import ClusterView, LinkView, Turn, WorkerView
@@ -206,17 +206,13 @@ class TurnTerms:
         return wait
 
     def _ahead(self, worker: WorkerView) -> float:
-        """The requests queued at `worker` (`queue_ahead`) in typical prefills: those this
-        policy placed there by their predicted prefills (the learned wait per request
-        averages the workload's prompts, long ones included), the others one each."""
+        """The requests queued at `worker` (`queue_ahead`) in mean prefills: those this policy
+        placed by their predicted prefills (prompts can be heavy-tailed), the others one each."""
         depth = queue_ahead(worker)
         if depth <= 0 or self._work is None:
             return float(depth)
         scraped = self._now_s - worker.scraped_age_s
-        own, weight = self._work.queued(worker.worker_id, scraped, worker.waiting, self._request_id)
-        if own >= depth:  # the scrape is older than some of them finished
-            return weight * depth / own
-        return depth - own + weight
+        return self._work.ahead(worker.worker_id, scraped, worker.waiting, depth, self._request_id)
 
     def pace(self, worker: WorkerView) -> float:
         """The answer's decode step on `worker` beside its streams, over the ITL objective: the

@@ -20,8 +20,9 @@ from policies import (
 )
 from policies.adaptive import AdaptivePolicy, _rank_key
 from policies.adaptive_candidate import Candidate
-from policies.adaptive_ledgers import WorkLedger, slot_wait_ms
+from policies.adaptive_ledgers import slot_wait_ms
 from policies.adaptive_scoring import Scorer
+from policies.adaptive_work import WorkLedger
 from policies.calibration import queue_ahead
 from policies.estimates import Estimates, PrefillLeg
 from policies.types import Action, WorkerView

@@ -11,8 +11,9 @@ import pytest
 
 from policies import ClusterView, Handoff, Objectives, Turn, create_policy
 from policies.adaptive import AdaptivePolicy
-from policies.adaptive_ledgers import LegLedger, WorkLedger, poisson_tail, slot_wait_ms
+from policies.adaptive_ledgers import LegLedger, poisson_tail, slot_wait_ms
 from policies.adaptive_scoring import Scorer
+from policies.adaptive_work import WorkLedger
 from policies.estimates import Estimates
 from policies.types import WorkerView
 from tests.policies.views import w

@@ -16,12 +16,13 @@ from policies import (
     Outcome,
     Residency,
     Turn,
-    adaptive_ledgers,
+    adaptive_work,
     create_policy,
 )
 from policies.adaptive import AdaptivePolicy
-from policies.adaptive_ledgers import KV_CROWDED_FROM, KV_FULL_MISSES, WorkLedger, kv_crowding
+from policies.adaptive_ledgers import KV_CROWDED_FROM, KV_FULL_MISSES, kv_crowding
 from policies.adaptive_scoring import Scorer
+from policies.adaptive_work import WorkLedger
 from policies.estimates import Estimates, PrefillLeg
 from tests.policies.views import KV, w
 
@@ -152,8 +153,8 @@ class _FullScan(WorkLedger):
 def test_settle_skips_only_stale_placements(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Placed again (at the same time too), finished, forgotten or fallen out of the recent
     ones: settle stops where a scan of them all finds nothing current any more."""
-    monkeypatch.setattr(adaptive_ledgers, "MAX_RECENT", 8)
-    monkeypatch.setattr(adaptive_ledgers, "MAX_TRACKED_REQUESTS", 24)
+    monkeypatch.setattr(adaptive_work, "MAX_RECENT", 8)
+    monkeypatch.setattr(adaptive_work, "MAX_TRACKED_REQUESTS", 24)
     rng = random.Random(seed)
     ledger, reference = WorkLedger(), _FullScan()
     workers = ("m1", "m2", "m3")

@@ -45,7 +45,9 @@ async def test_handoff_between_two_worker_processes_pulls_over_the_modelled_nic(
             headers = response.headers
     assert headers["x-kv-transfer"] == "pulled"
     assert int(headers["x-kv-transfer-bytes"]) == 2000 * 131072
-    # 262 MB over a 100 Gb/s NIC (the source's, advertised by its side channel): ~21 ms
-    assert float(headers["x-kv-transfer-ms"]) == pytest.approx(2000 * 131072 / 12.5e9 * 1e3,
-                                                               rel=0.05)  # fmt: skip
+    # 262 MB over a 100 Gb/s NIC (the source's, advertised by its side channel): ~21 ms as
+    # the pull measures it, so a loaded machine's event-loop lag adds to it; 50 or 200 Gb/s
+    # would read ~42 or ~10 ms
+    modelled_ms = 2000 * 131072 / 12.5e9 * 1e3
+    assert 0.95 * modelled_ms <= float(headers["x-kv-transfer-ms"]) < 1.5 * modelled_ms
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 1999
