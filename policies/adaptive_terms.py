@@ -60,6 +60,7 @@ class TurnTerms:
     """
 
     __slots__ = (
+        "_aheads",
         "_answer_steps",
         "_backlogs",
         "_cached_resident",
@@ -146,6 +147,7 @@ class TurnTerms:
         self._decodes: dict[str, _Decode] = {}
         self._crowding: dict[str, float] = {}
         self._backlogs: dict[str, float] = {}
+        self._aheads: dict[str, float] = {}
         self._stall_rates: dict[str, float] = {}
         self._answer_steps: dict[str, float] = {}
         self._host_rate: float | None = None
@@ -206,13 +208,13 @@ class TurnTerms:
         return wait
 
     def _ahead(self, worker: WorkerView) -> float:
-        """The requests queued at `worker` (`queue_ahead`) in mean prefills: those this policy
-        placed by their predicted prefills (prompts can be heavy-tailed), the others one each."""
-        depth = queue_ahead(worker)
-        if depth <= 0 or self._work is None:
-            return float(depth)
-        scraped = self._now_s - worker.scraped_age_s
-        return self._work.ahead(worker.worker_id, scraped, worker.waiting, depth, self._request_id)
+        """The requests queued at `worker`, as the queue wait counts them."""
+        ahead = self._aheads.get(worker.worker_id)
+        if ahead is None:
+            work, now, asking = self._work, self._now_s, self._request_id
+            ahead = float(queue_ahead(worker)) if work is None else work.ahead(worker, now, asking)
+            self._aheads[worker.worker_id] = ahead
+        return ahead
 
     def pace(self, worker: WorkerView) -> float:
         """The answer's decode step on `worker` beside its streams, over the ITL objective: the
@@ -325,18 +327,15 @@ class TurnTerms:
 
     def _leg(self, worker: WorkerView, cached: int) -> PrefillLeg:
         beside = self.streams(worker) if worker.role != "prefill" else 0
-        queued = self._ahead(worker)
-        return PrefillLeg(cached, beside, self._backlog_ms(worker.worker_id), queued)
+        return PrefillLeg(cached, beside, self._backlog_ms(worker.worker_id), self._ahead(worker))
 
     def _backlog_ms(self, worker_id: str) -> float:
-        """The prefill work placed on the worker ahead of this turn and not yet done
-        (`WorkLedger`, 0 without one; its queue, its prefill's steps and its leg all wait
-        behind it)."""
+        """The prefill work placed on the worker ahead of this turn and not yet done (0 without
+        a `WorkLedger`; its queue, its prefill's steps and its leg all wait behind it)."""
         backlog = self._backlogs.get(worker_id)
         if backlog is None:
-            backlog = 0.0
-            if self._work is not None:
-                backlog = self._work.backlog_ms(worker_id, self._now_s, self._request_id)
+            work = self._work
+            backlog = work.backlog_ms(worker_id, self._now_s, self._request_id) if work else 0.0
             self._backlogs[worker_id] = backlog
         return backlog
 

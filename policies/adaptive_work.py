@@ -12,6 +12,8 @@ from policies.adaptive_ledgers import (
     decayed_add,
     decayed_rate,
 )
+from policies.calibration import queue_ahead
+from policies.types import WorkerView
 
 # Per worker, the placements `WorkLedger.settle` may find queued at a scrape.
 MAX_RECENT = 1024
@@ -189,12 +191,15 @@ class WorkLedger:
             weight += entry[5]
         return len(counted) - 1, weight
 
-    def ahead(
-        self, worker: str, scraped_s: float, waiting: int, depth: int, exclude: str = ""
-    ) -> float:
-        """`depth` (> 0) requests queued at `worker` in mean placed prefills: those this
-        policy placed (`queued`) by their weights, the others one each."""
-        own, weight = self.queued(worker, scraped_s, waiting, exclude)
+    def ahead(self, worker: WorkerView, now_s: float, exclude: str = "") -> float:
+        """The requests queued at `worker` (`queue_ahead`) in mean placed prefills: those
+        this policy placed (`queued`) by their weights, the others one each (prompts can be
+        heavy-tailed: a queue of short ones is short)."""
+        depth = queue_ahead(worker)
+        if depth <= 0:
+            return 0.0
+        scraped_s = now_s - worker.scraped_age_s
+        own, weight = self.queued(worker.worker_id, scraped_s, worker.waiting, exclude)
         if own >= depth:  # the scrape is older than some of them finished
             return weight * depth / own
         return depth - own + weight

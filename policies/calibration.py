@@ -123,8 +123,8 @@ class QueueModel:
         return wait if wait > 0.0 else 0.0
 
     def observe(self, wait_ms: float, depth: float, typical_ms: float) -> None:
-        """One wait sample of a turn that found `depth` requests queued ahead of it (in
-        typical prefills)."""
+        """One wait sample of a turn that found `depth` requests queued ahead of it (a
+        fraction or a multiple of one where a request's prefill is known to be short or long)."""
         if not math.isfinite(wait_ms):
             return
         if depth <= 0:

@@ -18,8 +18,8 @@ B = HBM bytes/s x tp x 0.85 (the prior's efficiencies):
       memory  = (W + kv b (x + 1)) / B
       step    = O + max(gc x compute, gm x memory)
 - queue wait behind q requests: max(0, base + fq x q x typical), where `typical` is the EWMA
-  of the predicted prefill of each turn served (what a request ahead costs; a request whose
-  prefill its placement predicted counts as that prediction over the `typical` of then); the router
+  of the predicted prefill of each turn served (what a request ahead costs; q may count a
+  request by its own predicted prefill over the mean placed, as `adaptive` does); the router
   measures the wait only inside a stage, the prefill leg of a split turn or the TTFT of a
   whole one, so each wait sample is that stage less its predicted prefill
   (`policies.calibration`, which holds the learning parts);
@@ -199,8 +199,8 @@ class Estimates:
         return self._typical_prefill.value
 
     def queue_wait_ms(self, depth: float) -> float:
-        """Wait before a new request's prefill starts behind `depth` queued requests (of the
-        typical prefill; a fraction or a multiple of one where their prefills are known)."""
+        """Wait before a new request's prefill starts behind `depth` queued requests (a
+        fraction or a multiple of one where a request's prefill is known to be short or long)."""
         return self._queue.wait_ms(depth, self._typical_prefill.value)
 
     def link_bps(self, src: str, dst: str) -> float | None:
@@ -334,8 +334,8 @@ WHOLE_ACTIONS = ("colocate", "recompute")
 class PrefillLeg(NamedTuple):
     """A turn's prefill as placed: tokens cached on its worker, decode streams beside it,
     the ms of prefill work placed there before it and not yet done (no scrape counts a
-    prefill already running, however long), and the requests queued ahead of it in typical
-    prefills (`Estimates.queue_wait_ms`; None: the outcome's `worker_waiting_at_start`)."""
+    prefill already running, however long), and the requests queued ahead of it as
+    `Estimates.queue_wait_ms` counts them (None: the outcome's `worker_waiting_at_start`)."""
 
     cached: int
     beside: int
@@ -363,7 +363,7 @@ def _leg_of(outcome: Outcome, running: int) -> PrefillLeg:
 
 
 def _ahead(leg: PrefillLeg, outcome: Outcome) -> float:
-    """The requests queued ahead of the turn when it was placed, in typical prefills."""
+    """The requests queued ahead of the turn when it was placed."""
     return leg.queued if leg.queued is not None else _depth(outcome)
 
 

@@ -38,10 +38,7 @@ def turn(prompt: int, request: str = "r1", itl_ms: float = 100.0, tokens: int = 
 
 
 def scorer(
-    t: Turn,
-    workers: tuple[WorkerView, ...],
-    estimates: Estimates | None = None,
-    cap: int = 256,
+    t: Turn, workers: tuple[WorkerView, ...], estimates: Estimates | None = None, cap: int = 256
 ) -> Scorer:
     cluster = ClusterView(now_s=10.0, workers=workers)
     est = estimates if estimates is not None else Estimates.from_presets()
