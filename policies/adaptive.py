@@ -55,6 +55,7 @@ from policies.adaptive_decision import decision_of, explain, ms_text, predicted_
 from policies.adaptive_ledgers import LegLedger, StallLedger, forget_oldest
 from policies.adaptive_params import AdaptiveParams as AdaptiveParams
 from policies.adaptive_scoring import Scorer
+from policies.adaptive_streams import Leg, StreamLedger
 from policies.adaptive_work import WorkLedger
 from policies.admission import Admission
 from policies.calibration import Average
@@ -94,6 +95,7 @@ class AdaptivePolicy:
         self._stalls = StallLedger(p.stall_window_s)
         self._work = WorkLedger()
         self._coming = LegLedger()
+        self._done = StreamLedger()
         self._now_s = -math.inf  # the latest view's time
         # Fresh sessions' first turns placed whole: what they find cached is shared.
         self._fresh: dict[str, None] = {}
@@ -146,6 +148,8 @@ class AdaptivePolicy:
             work=self._work,
             max_seqs=p.max_num_seqs,
             legs=self._coming,
+            done=self._done,
+            max_hold_s=p.max_hold_s,
         )
         key = _rank_key(turn)
         # A new answer goes where its KV fits: a full cache preempts the streams running there.
@@ -158,7 +162,9 @@ class AdaptivePolicy:
         whole = [scorer.whole(worker) for worker in (resident, *roomy) if worker is not None]
         # Colocating where the state lives is what any separation must beat.
         reference = whole[0] if resident is not None else min(whole, key=key)
-        candidates = whole
+        # Held twins: the same placements once the streams their prefill would stall end.
+        candidates = whole + [scorer.whole(w, held=True) for w in (resident, *roomy)
+                              if w is not None and scorer.holds(w)]  # fmt: skip
         mover = None
         if (
             residency is not None
@@ -177,6 +183,8 @@ class AdaptivePolicy:
             for decode in decode_targets:
                 if decode is not prefill:
                     candidates.append(scorer.handoff(prefill, decode))
+                    if scorer.holds(prefill):
+                        candidates.append(scorer.handoff(prefill, decode, held=True))
         if resident is not None:
             key = _rank_key(turn, reference)
         best = min(candidates, key=key)
@@ -190,10 +198,11 @@ class AdaptivePolicy:
             turn.request_id, None if rejected else best.workers[0], view.now_s, best.slow_steps
         )
         # Its prefill keeps that worker busy: the turns placed there next wait behind it.
+        hold_s = best.hold_ms / 1000.0
         self._work.place(
             turn.request_id,
             None if rejected else best.workers[0],
-            view.now_s,
+            view.now_s + hold_s,
             best.work_ms,
             self._weigh(best.prefill_ms) if not rejected else 1.0,
         )
@@ -205,6 +214,9 @@ class AdaptivePolicy:
             view.now_s + best.sent_ms / 1000.0,
             best.leg_tokens,
         )
+        # Until when it occupies its workers: a held prefill waits for them to be done.
+        legs = () if rejected else _ends(best, view.now_s)
+        self._done.place(turn.request_id, legs)
         self._fresh.pop(turn.request_id, None)
         self._legs.pop(turn.request_id, None)
         if not rejected:
@@ -240,6 +252,7 @@ class AdaptivePolicy:
         self._stalls.forget(outcome.request_id)
         self._work.finish(outcome.request_id, self._now_s)
         self._coming.finish(outcome.request_id)
+        self._done.finish(outcome.request_id)
         if outcome.request_id in self._fresh:
             del self._fresh[outcome.request_id]
             self.estimates.observe_fresh(outcome)
@@ -267,6 +280,15 @@ def _rank_key(
         )
 
     return key
+
+
+def _ends(chosen: Candidate, now_s: float) -> tuple[Leg, ...]:
+    """Each leg of the chosen placement and when it is predicted done on its worker: a split
+    turn's prefill leg when its KV is sent, its answer after its decode."""
+    last = now_s + (chosen.ttft_ms + chosen.decode_ms) / 1000.0
+    if len(chosen.workers) == 1:
+        return ((chosen.workers[0], last),)
+    return (chosen.workers[0], now_s + chosen.sent_ms / 1000.0), (chosen.workers[1], last)
 
 
 def _decode_shortlist(workers: list[WorkerView], count: int, scorer: Scorer) -> list[WorkerView]:

@@ -20,9 +20,11 @@ class Candidate:
         "action",
         "compute_ms",
         "cost",
+        "decode_ms",
         "exposure",
         "harm",
         "harm_ms",
+        "hold_ms",
         "interference_ms",
         "leg",
         "leg_tokens",
@@ -58,8 +60,14 @@ class Candidate:
         sent_ms: float = 0.0,
         leg_tokens: int = 0,
         prefill_ms: float | None = None,
+        hold_ms: float = 0.0,
+        decode_ms: float = 0.0,
     ) -> None:
         self.work_ms = work_ms
+        # The router holds the turn this long first (its queue, `queue_ms`, counts it).
+        self.hold_ms = hold_ms
+        # Its answer's decode after the first token.
+        self.decode_ms = decode_ms
         # Its prefill alone: what a request queued behind it there waits for it.
         self.prefill_ms = compute_ms if prefill_ms is None else prefill_ms
         # A split turn's decode leg: sent when its prefill ends, with the KV it adds there.
@@ -92,6 +100,7 @@ class Candidate:
         return self.harm + self.exposure
 
     def describe(self) -> str:
+        held = f" held {self.hold_ms:.0f}ms" if self.hold_ms > 0.0 else ""
         if len(self.workers) == 1:
-            return f"{self.action} on {self.workers[0]}"
-        return f"{self.action} {self.workers[0]}->{self.workers[1]}"
+            return f"{self.action} on {self.workers[0]}{held}"
+        return f"{self.action} {self.workers[0]}->{self.workers[1]}{held}"

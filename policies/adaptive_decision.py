@@ -74,17 +74,19 @@ def ms_text(value: float) -> str:
 
 def decision_of(candidate: Candidate, predicted: Prediction, reason: str) -> Decision:
     first = candidate.workers[0]
+    hold = candidate.hold_ms / 1000.0
     match candidate.action:
         case "colocate":
-            return Colocate(worker=first, predicted=predicted, reason=reason)
+            return Colocate(worker=first, predicted=predicted, reason=reason, hold_s=hold)
         case "recompute":
-            return Recompute(worker=first, predicted=predicted, reason=reason)
+            return Recompute(worker=first, predicted=predicted, reason=reason, hold_s=hold)
         case "handoff":
             return Handoff(
                 prefill_worker=first,
                 decode_worker=candidate.workers[1],
                 predicted=predicted,
                 reason=reason,
+                hold_s=hold,
             )
         case "migrate":
             return Migrate(

@@ -30,6 +30,9 @@ class AdaptiveParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # The engine's sequence cap (vLLM's --max-num-seqs, 256 by default): past it a request
     # waits for a running stream to finish.
     max_num_seqs: int = 256
+    # The longest the router holds a turn for the streams on its prefill worker to end, so
+    # the prefill stalls none of them (0: never hold).
+    max_hold_s: float = 5.0
 
     def __post_init__(self) -> None:
         gpu_preset(self.gpu)
@@ -68,6 +71,12 @@ class AdaptiveParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             "a finite number > 0",
         )
         _require(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, ">= 1")
+        _require(
+            0.0 <= self.max_hold_s < math.inf,
+            "max_hold_s",
+            self.max_hold_s,
+            "a finite number >= 0",
+        )
         _require(self.shortlist >= 1, "shortlist", self.shortlist, ">= 1")
         _require(0.0 < self.learning_rate <= 1.0, "learning_rate", self.learning_rate, "in (0, 1]")
         _require(

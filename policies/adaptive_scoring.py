@@ -58,6 +58,11 @@ Candidates, each with ttft = queue + compute + own wait + H (decode-side terms i
   queue = queue(p) + max(slot(d), queue(d) - (the time until the KV arrives)): d's queue
   drains meanwhile, but a full worker stays full as turns keep coming (its slot wait stays).
 - migrate r -> d: as the router runs it, a handoff from the resident r.
+- held (a whole turn on w, or a handoff from w, whose prefill harms the R streams on w, each
+  of them a request this policy placed there, `StreamLedger`): the router holds the turn
+  until they are done, hold = (the last one's predicted end - now) + one decode step, at most
+  `max_hold_s`; its queue is max(queue(w), hold), and the prefill runs alone: no harm, no own
+  wait (its slow steps still expose the answers decoding on w later).
 
 misses = harm + exposure + TTFT risk; cost = misses + `TTFT_WEIGHT` x ((ttft + `WORK_WEIGHT` x
 compute) / objective + pace), pace = the answer's decode step at R' + 1 streams on d over the
@@ -70,24 +75,48 @@ exposure)(c) - (the same)(r), what its transfer, queue, compute and pace add.
 
 from __future__ import annotations
 
+from typing import Any
+
 from policies.adaptive_candidate import Candidate
 from policies.adaptive_ledgers import StallLedger as StallLedger
 from policies.adaptive_ledgers import slow_gap_budget as slow_gap_budget
-from policies.adaptive_terms import TurnTerms
-from policies.types import Action, WorkerView
+from policies.adaptive_streams import StreamLedger
+from policies.adaptive_terms import PrefillTerms, TurnTerms
+from policies.estimates import Estimates, PrefillLeg
+from policies.types import Action, ClusterView, Turn, WorkerView
 
 
 class Scorer(TurnTerms):
     """Costs candidates for one turn against one view, from the terms they share
     (`TurnTerms`: each worker's, computed once)."""
 
-    __slots__ = ()
+    __slots__ = ("_done", "_holds", "_max_hold_ms")
 
-    def whole(self, worker: WorkerView) -> Candidate:
+    def __init__(
+        self,
+        turn: Turn,
+        view: ClusterView,
+        estimates: Estimates,
+        *,
+        done: StreamLedger | None = None,
+        max_hold_s: float = 0.0,
+        **terms: Any,
+    ) -> None:
+        super().__init__(turn, view, estimates, **terms)
+        self._done = done
+        self._max_hold_ms = max_hold_s * 1000.0
+        self._holds: dict[str, tuple[float, PrefillTerms] | None] = {}
+
+    def whole(self, worker: WorkerView, held: bool = False) -> Candidate:
         """Prefill and decode on `worker`: colocate where the state is (or none is), else
-        recompute."""
+        recompute; `held`: once the requests running there are done (`hold`)."""
         wid = worker.worker_id
         prefill = self._prefill_on(worker)
+        queue = self.queue_ms(worker)
+        hold = 0.0
+        if held:
+            hold, prefill = self._hold_on(worker)
+            queue = hold if hold > queue else queue
         action: Action = "colocate"
         if self._resident is not None and wid != self._resident:
             action = "recompute"
@@ -95,7 +124,7 @@ class Scorer(TurnTerms):
             action,
             (wid,),
             self._objective_ms,
-            queue_ms=self.queue_ms(worker),
+            queue_ms=queue,
             compute_ms=prefill.compute_ms,
             own_wait_ms=prefill.own_wait_ms,
             harm_ms=prefill.harm_ms,
@@ -105,17 +134,25 @@ class Scorer(TurnTerms):
             leg=prefill.leg,
             work_ms=prefill.work_ms,
             pace=self.pace(worker),
+            hold_ms=hold,
+            decode_ms=self._own_gaps * self._answer_step(worker),
         )
 
     def handoff(
-        self, prefill: WorkerView, decode: WorkerView, action: Action = "handoff"
-    ) -> Candidate:
+        self, prefill: WorkerView, decode: WorkerView, action: Action = "handoff",
+        held: bool = False,
+    ) -> Candidate:  # fmt: skip
         """Prefill on `prefill`, move the KV `decode` lacks, decode there (a migration from
-        the resident runs exactly so)."""
+        the resident runs exactly so); `held`: the prefill once the requests running on
+        `prefill` are done (`hold`)."""
         local = self._prefill_on(prefill)
+        queue = self.queue_ms(prefill)
+        hold = 0.0
+        if held:
+            hold, local = self._hold_on(prefill)
+            queue = hold if hold > queue else queue
         receiver = self._decode_on(decode)
         lacking = receiver.lacking
-        queue = self.queue_ms(prefill)
         sent = queue + local.compute_ms + local.own_wait_ms
         nbytes = lacking * self._kv_bytes
         transfer = self.transfer_ms(prefill.worker_id, decode.worker_id, nbytes, sent)
@@ -141,4 +178,52 @@ class Scorer(TurnTerms):
             sent_ms=sent,
             leg_tokens=lacking + self._own_gaps + 1,
             prefill_ms=local.compute_ms,
+            hold_ms=hold,
+            decode_ms=self._own_gaps * self._answer_step(decode),
         )
+
+    def holds(self, worker: WorkerView) -> bool:
+        """Whether holding the turn's prefill on `worker` stalls fewer streams: it harms the
+        streams there now, all of them placed by this policy (`StreamLedger`: a stream
+        another router placed ends at a time nobody here knows), done within `max_hold_s`."""
+        return self._hold(worker) is not None
+
+    def _hold_on(self, worker: WorkerView) -> tuple[float, PrefillTerms]:
+        held = self._hold(worker)
+        assert held is not None, "a held candidate on a worker that holds nothing"
+        return held
+
+    def _hold(self, worker: WorkerView) -> tuple[float, PrefillTerms] | None:
+        """(hold ms, the prefill then: alone, harming none) on `worker`, or None."""
+        wid = worker.worker_id
+        if wid in self._holds:
+            return self._holds[wid]
+        held = None
+        local = self._prefill_on(worker)
+        ledger = self._done
+        # Only a prefill whose own slow steps spend a stream's whole budget (each stream
+        # beside it misses, and only a hold spares them): to spare streams a part of theirs,
+        # a hold would leave the worker's compute idle and the turn waiting for a calm busy
+        # workers never have (measured: Mooncake's attainment falls).
+        if ledger is not None and local.harm > 0.0 and local.slow_steps >= self._stream_budget:
+            count, done_s = ledger.done_at(wid, self._now_s, self._request_id)
+            running = self.streams(worker)
+            if count >= running:
+                # The last stream's final token is out a step after it is computed.
+                estimates = self._estimates
+                step = estimates.decode_step_ms(running, estimates.mean_context_tokens, wid)
+                hold = (done_s - self._now_s) * 1000.0 + step
+                if hold <= self._max_hold_ms:
+                    held = (hold if hold > 0.0 else 0.0, self._alone(wid, local))
+        self._holds[wid] = held
+        return held
+
+    def _alone(self, worker_id: str, local: PrefillTerms) -> PrefillTerms:
+        """`local`, the turn's prefill on the worker, run with no stream beside it: no
+        wait of its own, no harm; its steps still stall the answers decoding there later."""
+        uncached = self._prompt - self._cached_at(worker_id)
+        chunks = self._estimates.prefill_chunks(uncached if uncached > 1 else 1)
+        slow = chunks if local.compute_ms / chunks > self._itl_ms else 0
+        leg = local.leg
+        alone = PrefillLeg(leg.cached, 0, leg.ahead_ms, leg.queued)
+        return PrefillTerms(local.compute_ms, 0.0, 0.0, slow, 0.0, alone, local.work_ms)

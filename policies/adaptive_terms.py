@@ -29,7 +29,7 @@ LINK_FLOOR_FRACTION = 0.01
 UTILISATION_MAX = 0.9
 
 
-class _Prefill(NamedTuple):
+class PrefillTerms(NamedTuple):
     """The turn's prefill on one worker: the terms of every candidate prefilling there."""
 
     compute_ms: float
@@ -143,7 +143,7 @@ class TurnTerms:
         self._stream_budget = slow_gap_budget(estimates.mean_completion_tokens)
         # Per worker, the terms every candidate placing there shares (the view, estimates
         # and ledgers stay as they are while one turn is scored).
-        self._prefills: dict[str, _Prefill] = {}
+        self._prefills: dict[str, PrefillTerms] = {}
         self._decodes: dict[str, _Decode] = {}
         self._crowding: dict[str, float] = {}
         self._backlogs: dict[str, float] = {}
@@ -152,7 +152,7 @@ class TurnTerms:
         self._answer_steps: dict[str, float] = {}
         self._host_rate: float | None = None
 
-    def _prefill_on(self, worker: WorkerView) -> _Prefill:
+    def _prefill_on(self, worker: WorkerView) -> PrefillTerms:
         """The turn's prefill on `worker` (after what it holds cached), as every candidate
         prefilling there shares it."""
         wid = worker.worker_id
@@ -161,7 +161,7 @@ class TurnTerms:
             cached = self._cached_at(wid)
             uncached = self._prompt - cached
             compute, own, harm_ms, slow, share = self._local_prefill(worker, uncached, cached)
-            known = self._prefills[wid] = _Prefill(
+            known = self._prefills[wid] = PrefillTerms(
                 compute,
                 own,
                 harm_ms,

@@ -350,7 +350,7 @@ def _prefill_stage(outcome: Outcome, queued: float | None) -> float | None:
         return outcome.prefill_ms
     if outcome.action in WHOLE_ACTIONS and plausible(outcome.ttft_ms, STAGE_MS_MAX):
         assert outcome.ttft_ms is not None
-        stage = outcome.ttft_ms - (queued or 0.0)
+        stage = outcome.ttft_ms - (queued or 0.0) - outcome.held_ms
         return stage if stage > 0.0 else None
     return None
 

@@ -129,11 +129,17 @@ _NO_PREDICTION = Prediction()
 class Colocate(
     msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="action", tag="colocate"
 ):
-    """Prefill and decode the turn on one worker (normally the resident one)."""
+    """Prefill and decode the turn on one worker (normally the resident one).
+
+    `hold_s` (here and on `Handoff` and `Recompute`): the router holds the turn that long
+    before it sends the prefill (the streams decoding on the prefill worker end meanwhile, so
+    the prefill's long steps stall none of them); at most the turn's TTFT objective.
+    """
 
     worker: str
     predicted: Prediction = _NO_PREDICTION
     reason: str = ""
+    hold_s: float = 0.0
 
 
 class Handoff(
@@ -145,6 +151,7 @@ class Handoff(
     decode_worker: str
     predicted: Prediction = _NO_PREDICTION
     reason: str = ""
+    hold_s: float = 0.0
 
 
 class Migrate(
@@ -166,6 +173,7 @@ class Recompute(
     worker: str
     predicted: Prediction = _NO_PREDICTION
     reason: str = ""
+    hold_s: float = 0.0
 
 
 class Reject(
@@ -179,6 +187,16 @@ class Reject(
 
 
 Decision = Colocate | Handoff | Migrate | Recompute | Reject
+
+
+def hold_of(decision: Decision, ttft_objective_ms: float) -> float:
+    """The seconds the router holds a decision's turn before sending it: its `hold_s`, at
+    most the turn's TTFT objective (0 for one that holds nothing, or NaN)."""
+    hold = getattr(decision, "hold_s", 0.0)
+    if not hold > 0.0:
+        return 0.0
+    limit = ttft_objective_ms / 1000.0
+    return hold if hold < limit else (limit if limit > 0.0 else 0.0)
 
 
 def action_of(decision: Decision) -> Action:
@@ -195,6 +213,8 @@ class Outcome(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     `worker_running_at_start` is the number of decode streams running on the turn's decode
     worker when it was placed (the batch it decoded beside); `worker_waiting_at_start` the
     queue ahead of it on its prefill worker (the decode worker for a colocated turn).
+    `held_ms`: the router held the turn that long before sending it (`Colocate.hold_s`); its
+    TTFT includes it, `queue_ms` (the router's own queue stage, after the hold) does not.
     """
 
     request_id: str
@@ -216,3 +236,4 @@ class Outcome(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     worker_running_at_start: int = 0
     worker_waiting_at_start: int = 0
     predicted: Prediction = _NO_PREDICTION
+    held_ms: float = 0.0

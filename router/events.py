@@ -67,6 +67,7 @@ class StageEvents(msgspec.Struct):
     reason: str = ""
     admitted: float | None = None
     decided: float | None = None
+    released: float | None = None  # the end of the hold the decision asked for, if any
     prefill_start: float | None = None
     prefill_end: float | None = None
     transfer_start: float | None = None
@@ -96,6 +97,9 @@ class StageEvents(msgspec.Struct):
         if self.action is None:
             raise ValueError(f"request {self.request_id} was never placed")
         queue_start = self.decided if self.decided is not None else self.admitted
+        held_ms = _ms(queue_start, self.released) or 0.0
+        if self.released is not None:
+            queue_start = self.released
         return Outcome(
             request_id=self.request_id,
             session_id=self.session_id,
@@ -115,6 +119,7 @@ class StageEvents(msgspec.Struct):
             worker_running_at_start=self.worker_running_at_start,
             worker_waiting_at_start=self.worker_waiting_at_start,
             predicted=self.predicted if self.predicted is not None else Prediction(),
+            held_ms=held_ms if held_ms > 0.0 else 0.0,
         )
 
 

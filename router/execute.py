@@ -14,6 +14,7 @@ from policies.types import (
     Recompute,
     Reject,
     handoff_tokens,
+    hold_of,
 )
 from router import adapters
 from router.config import RouterConfig
@@ -44,6 +45,11 @@ class Executor:
                 429, f"turn rejected: {decision.reason or 'no placement meets its objectives'}",
                 retry_after_s=decision.retry_after_s,
             )  # fmt: skip
+        hold = hold_of(decision, ctx.turn.objectives.ttft_ms)
+        if hold > 0.0:
+            # The prefill worker's streams end meanwhile; a client gone now cancels this.
+            await asyncio.sleep(hold)
+            ctx.events.released = self._clock.now()
         if isinstance(decision, Colocate | Recompute):
             return await self._single(ctx, decision.worker)
         if isinstance(decision, Handoff):

@@ -45,6 +45,7 @@ from policies.types import (
     Turn,
     action_of,
     handoff_tokens,
+    hold_of,
 )
 from router.events import StageEvents
 from sim.engine import EngineRequest, RequestStats
@@ -125,7 +126,17 @@ class SimRouter:
         events.worker_waiting_at_start = queue_ahead(prefill_view) if prefill_view else 0
         if action == "recompute" and residency is not None:
             events.recomputed_tokens = residency.tokens
-        self._execute(Flight(req, turn, residency, events), decision)
+        flight = Flight(req, turn, residency, events)
+        hold = hold_of(decision, turn.objectives.ttft_ms)
+        if hold > 0.0:
+            # As the live router: the turn waits in the router, then goes out as decided.
+            events.released = now + hold
+            self._loop.at(now + hold, self._release_held, (flight, decision))
+        else:
+            self._execute(flight, decision)
+
+    def _release_held(self, held: tuple[Flight, Decision]) -> None:
+        self._execute(*held)
 
     def _execute(self, flight: Flight, decision: Decision) -> None:
         now = self._clock.now()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,7 @@ class Received:
     path: str
     headers: dict[str, str]
     body: dict[str, Any]
+    at: float  # unix seconds
 
 
 @dataclass
@@ -68,7 +70,7 @@ class RecordingWorker:
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = json.loads(await request.read())
         headers = {key.lower(): value for key, value in request.headers.items()}
-        self.received.append(Received(request.path, headers, body))
+        self.received.append(Received(request.path, headers, body, time.time()))
         n = self.tokens
         usage = {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n,
                  "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip

@@ -61,3 +61,24 @@ class AlwaysHandoff:
 
     def observe(self, outcome: Outcome) -> None:
         return None
+
+
+class HoldParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    hold_s: float
+
+
+class HoldThenColocate:
+    """Every turn: held `hold_s`, then whole on the first worker."""
+
+    Params = HoldParams
+    name = "hold-then-colocate"
+
+    def __init__(self, params: HoldParams) -> None:
+        self._hold_s = params.hold_s
+
+    def decide(self, turn: Turn, view: ClusterView) -> Decision:
+        first = min(w.worker_id for w in view.workers)
+        return Colocate(first, hold_s=self._hold_s, reason="scripted hold")
+
+    def observe(self, outcome: Outcome) -> None:
+        return None

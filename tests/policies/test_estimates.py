@@ -429,3 +429,16 @@ def test_mean_answer_length_and_shared_prefix_are_running_means() -> None:
     estimates.observe_fresh(msgspec.structs.replace(fresh, ok=False))
     estimates.observe_fresh(msgspec.structs.replace(fresh, action="handoff"))
     assert estimates.shared_prefix_tokens == pytest.approx(1024.0)
+
+
+def test_a_held_turn_teaches_its_prefill_without_the_hold() -> None:
+    """A colocated turn's TTFT holds the router's hold (`Colocate.hold_s`): the prefill it
+    teaches is the same as the same turn's unheld."""
+    held, unheld, reference = (Estimates.from_presets() for _ in range(3))
+    whole = _outcome(action="colocate", prefill_worker="m1", decode_worker="m1",
+                     cached_tokens=0, queue_ms=0.0, decode_ms=None)  # fmt: skip
+    for _ in range(20):
+        unheld.observe(msgspec.structs.replace(whole, ttft_ms=400.0))
+        held.observe(msgspec.structs.replace(whole, ttft_ms=1400.0, held_ms=1000.0))
+    assert _snapshot(held) == _snapshot(unheld)
+    assert _snapshot(held) != _snapshot(reference)

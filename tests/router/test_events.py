@@ -246,3 +246,16 @@ async def test_unwritable_path_keeps_the_ring(tmp_path: Path) -> None:
     log.record(make_events(1))
     await log.close()
     assert [e.request_id for e in log.recent()] == ["req-1"]
+
+
+def test_to_outcome_of_a_held_turn_keeps_the_hold_out_of_its_queue() -> None:
+    events = StageEvents(
+        request_id="r", session_id="s", action="colocate", decode_worker="m0",
+        admitted=1000.0, decided=1000.125, released=1000.625, prefill_start=1000.75,
+        first_token=1001.0, last_token=1001.5, prompt_tokens=100, completion_tokens=20,
+        outcome="completed",
+    )  # fmt: skip
+    outcome = events.to_outcome()
+    assert outcome.held_ms == 500.0
+    assert outcome.queue_ms == 125.0  # released -> sent
+    assert outcome.ttft_ms == 1000.0  # as the client saw it, hold included
