@@ -90,6 +90,11 @@ class RouterMetrics:
             "Prefill end to decode start of a handed-off turn.",
             HANDOFF_BUCKETS,
         )
+        self.hold_seconds = HistogramCells(
+            "router_hold_seconds",
+            "How long turns were held in the router before going out, as decided.",
+            HANDOFF_BUCKETS,
+        )
         self.transfer_bytes_total = CounterCells(
             "router_transfer_bytes", "KV bytes moved between workers."
         )
@@ -145,7 +150,8 @@ class RouterMetrics:
 
         CellsCollector([
             self.requests_total, self.decisions_total, self.decision_seconds,
-            self.ttft_seconds, self.handoff_seconds, self.transfer_bytes_total, self.inflight,
+            self.ttft_seconds, self.handoff_seconds, self.hold_seconds, self.transfer_bytes_total,
+            self.inflight,
             self.recomputed_tokens_total, self.estimate_error_ratio,
         ]).register(reg)  # fmt: skip
         self._redis: dict[str, Histogram] = {}
@@ -187,6 +193,9 @@ class RouterMetrics:
 
     def handoff(self, seconds: float) -> None:
         self.handoff_seconds.observe(seconds)
+
+    def held(self, seconds: float) -> None:
+        self.hold_seconds.observe(seconds)
 
     def transferred(self, nbytes: int) -> None:
         self.transfer_bytes_total.inc((), nbytes)

@@ -301,6 +301,8 @@ class TurnPipeline:
             self._metrics.recomputed(events.recomputed_tokens)
         if events.transferred_bytes:
             self._metrics.transferred(events.transferred_bytes)
+        if events.released is not None and events.decided is not None:
+            self._metrics.held(events.released - events.decided)
         if (
             events.first_token is not None
             and events.admitted is not None

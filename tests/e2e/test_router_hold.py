@@ -38,7 +38,10 @@ async def test_a_held_turn_goes_out_after_its_hold(
         assert response.status == 200 and usage["completion_tokens"] == 3
         _, decisions = await admin_get(http, router.url, router.admin_token,
                                        "/admin/decisions?limit=1")  # fmt: skip
+        held = await metric_sum(http, router.url, "router_hold_seconds_sum")
+        holds = await metric_sum(http, router.url, "router_hold_seconds_count")
     [received] = recorder.received
+    assert holds == 1 and held == pytest.approx(0.4, abs=0.1)
     assert received.at - sent >= 0.4
     event = decisions["decisions"][0]
     assert event["released"] - event["decided"] == pytest.approx(0.4, abs=0.1)
