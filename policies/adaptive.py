@@ -95,7 +95,7 @@ class AdaptivePolicy:
         self._stalls = StallLedger(p.stall_window_s)
         self._work = WorkLedger()
         self._coming = LegLedger()
-        self._done = StreamLedger()
+        self._done = StreamLedger(p.stall_window_s)
         self._now_s = -math.inf  # the latest view's time
         # Fresh sessions' first turns placed whole: what they find cached is shared.
         self._fresh: dict[str, None] = {}
@@ -216,7 +216,7 @@ class AdaptivePolicy:
         )
         # Until when it occupies its workers: a held prefill waits for them to be done.
         legs = () if rejected else _ends(best, view.now_s)
-        self._done.place(turn.request_id, legs)
+        self._done.place(turn.request_id, legs, view.now_s)
         self._fresh.pop(turn.request_id, None)
         self._legs.pop(turn.request_id, None)
         if not rejected:

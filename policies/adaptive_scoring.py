@@ -61,8 +61,9 @@ Candidates, each with ttft = queue + compute + own wait + H (decode-side terms i
 - held (a whole turn on w, or a handoff from w, whose prefill harms the R streams on w, each
   of them a request this policy placed there, `StreamLedger`): the router holds the turn
   until they are done, hold = (the last one's predicted end - now) + one decode step, at most
-  `max_hold_s`; its queue is max(queue(w), hold), and the prefill runs alone: no harm, no own
-  wait (its slow steps still expose the answers decoding on w later).
+  `max_hold_s`; its queue is max(queue(w), hold); the answers this policy places on w
+  meanwhile (at its recent rate a, `StreamLedger`) are beside it then: harm x min(1, a x hold
+  / R), and no own wait (its slow steps still expose the answers decoding on w later).
 
 misses = harm + exposure + TTFT risk; cost = misses + `TTFT_WEIGHT` x ((ttft + `WORK_WEIGHT` x
 compute) / objective + pace), pace = the answer's decode step at R' + 1 streams on d over the
@@ -214,16 +215,22 @@ class Scorer(TurnTerms):
                 step = estimates.decode_step_ms(running, estimates.mean_context_tokens, wid)
                 hold = (done_s - self._now_s) * 1000.0 + step
                 if hold <= self._max_hold_ms:
-                    held = (hold if hold > 0.0 else 0.0, self._alone(wid, local))
+                    hold = hold if hold > 0.0 else 0.0
+                    # The answers placed there meanwhile are beside it when it goes.
+                    meanwhile = ledger.answer_rate(wid, self._now_s, self._request_id)
+                    share = meanwhile * hold / 1000.0 / running
+                    held = (hold, self._alone(wid, local, share if share < 1.0 else 1.0))
         self._holds[wid] = held
         return held
 
-    def _alone(self, worker_id: str, local: PrefillTerms) -> PrefillTerms:
-        """`local`, the turn's prefill on the worker, run with no stream beside it: no
-        wait of its own, no harm; its steps still stall the answers decoding there later."""
+    def _alone(self, worker_id: str, local: PrefillTerms, share: float) -> PrefillTerms:
+        """`local`, the turn's prefill on the worker, once its streams are done: `share` of
+        them there again (placed meanwhile), harmed as they would be now; no wait of its
+        own; its steps still stall the answers decoding there later."""
         uncached = self._prompt - self._cached_at(worker_id)
         chunks = self._estimates.prefill_chunks(uncached if uncached > 1 else 1)
         slow = chunks if local.compute_ms / chunks > self._itl_ms else 0
         leg = local.leg
         alone = PrefillLeg(leg.cached, 0, leg.ahead_ms, leg.queued)
-        return PrefillTerms(local.compute_ms, 0.0, 0.0, slow, 0.0, alone, local.work_ms)
+        harm_ms, harm = local.harm_ms * share, local.harm * share
+        return PrefillTerms(local.compute_ms, 0.0, harm_ms, slow, harm, alone, local.work_ms)

@@ -1,14 +1,20 @@
 """`StreamLedger`: the requests the adaptive policy placed on each worker and has not seen
 finish, and when each is predicted to be done there (a decode stream at its last token, a
-split turn's prefill leg when its KV leaves). Once a worker's requests are done, a prefill
-held until then (`Colocate.hold_s`) stalls no stream there.
+split turn's prefill leg when its KV leaves); and the rate it places answers on each worker.
+Once a worker's requests are done, a prefill held until then (`Colocate.hold_s`) stalls no
+stream there but those placed there meanwhile.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from policies.adaptive_ledgers import MAX_TRACKED_REQUESTS, MAX_TRACKED_WORKERS
+from policies.adaptive_ledgers import (
+    MAX_TRACKED_REQUESTS,
+    MAX_TRACKED_WORKERS,
+    decayed_add,
+    decayed_rate,
+)
 
 # A request predicted done this long ago whose outcome never came (lost, or a replica's
 # restart) no longer counts.
@@ -18,22 +24,39 @@ Leg = tuple[str, float]  # worker, when predicted done there (s)
 
 
 class StreamLedger:
-    """Per worker, the predicted end of each request this policy placed there."""
+    """Per worker, the predicted end of each request this policy placed there, and the
+    answers placed there as a count decaying with time constant `window_s`."""
 
-    def __init__(self) -> None:
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
         self._placed: dict[str, tuple[Leg, ...]] = {}
-        self._ends: dict[str, dict[str, float]] = {}
+        # worker -> request -> (predicted done, whether it is an answer)
+        self._ends: dict[str, dict[str, tuple[float, bool]]] = {}
+        self._answers: dict[str, tuple[float, float]] = {}  # worker -> (count, as of time)
+        self._answered: dict[str, tuple[str, float]] = {}  # request -> (worker, at)
 
-    def place(self, request_id: str, legs: Sequence[Leg]) -> None:
-        """`request_id` is on each (worker, until) of `legs` (none: rejected); deciding a
-        turn again replaces what it placed before."""
+    def place(self, request_id: str, legs: Sequence[Leg], at_s: float) -> None:
+        """`request_id`, placed at `at_s`, is on each (worker, until) of `legs` (none:
+        rejected; the last one is its answer, a split turn's first its prefill leg); deciding
+        a turn again replaces what it placed before."""
         self.finish(request_id)
-        kept = tuple(e for e in legs if e[0] in self._ends or len(self._ends) < MAX_TRACKED_WORKERS)
-        if not kept:
-            return
-        self._placed[request_id] = kept
-        for worker, end_s in kept:
-            self._ends.setdefault(worker, {})[request_id] = end_s
+        old = self._answered.pop(request_id, None)
+        if old is not None:
+            self._count(old[0], old[1], -1.0)
+        if legs:
+            self._count(legs[-1][0], at_s, 1.0)
+            self._answered[request_id] = (legs[-1][0], at_s)
+            if len(self._answered) > MAX_TRACKED_REQUESTS:  # long decayed away
+                for request in list(self._answered)[: MAX_TRACKED_REQUESTS // 4]:
+                    del self._answered[request]
+        last = len(legs) - 1
+        kept = []
+        for i, (worker, end_s) in enumerate(legs):
+            if worker in self._ends or len(self._ends) < MAX_TRACKED_WORKERS:
+                self._ends.setdefault(worker, {})[request_id] = (end_s, i == last)
+                kept.append((worker, end_s))
+        if kept:
+            self._placed[request_id] = tuple(kept)
         if len(self._placed) > MAX_TRACKED_REQUESTS:
             for request in list(self._placed)[: MAX_TRACKED_REQUESTS // 4]:
                 self.finish(request)
@@ -46,22 +69,39 @@ class StreamLedger:
                 if not ends:
                     del self._ends[worker]
 
+    def answer_rate(self, worker: str, now_s: float, exclude: str = "") -> float:
+        """Answers per second placed on `worker` lately, `exclude`'s own left out."""
+        entry = self._answers.get(worker)
+        if entry is None:
+            return 0.0
+        own = self._answered.get(exclude)
+        mine = (1.0, own[1]) if own is not None and own[0] == worker else None
+        return decayed_rate(*entry, now_s, self.window_s, mine)
+
+    def _count(self, worker: str, at_s: float, amount: float) -> None:
+        count, as_of = decayed_add(*self._answers.get(worker, (0.0, at_s)), at_s, amount,
+                                    self.window_s)  # fmt: skip
+        if worker in self._answers or len(self._answers) < MAX_TRACKED_WORKERS:
+            self._answers[worker] = (count if count > 0.0 else 0.0, as_of)
+
     def done_at(self, worker: str, now_s: float, exclude: str = "") -> tuple[int, float]:
-        """(how many, when the last is done) of the requests placed on `worker` and not seen
-        finish, `exclude`'s own left out; one predicted done already is late: it ends any
-        moment (now)."""
+        """(how many requests, when the last answer is done) of those placed on `worker`
+        and not seen finish, `exclude`'s own left out; an answer predicted done already is
+        late: it ends any moment (now). A prefill leg there counts, but is no stream for a
+        prefill to wait for."""
         ends = self._ends.get(worker)
         if not ends:
             return 0, now_s
         count, last = 0, now_s
         stale = now_s - STALE_AFTER_S
         gone = []
-        for request, end_s in ends.items():
+        for request, (end_s, answer) in ends.items():
             if end_s < stale:
                 gone.append(request)
             elif request != exclude:
                 count += 1
-                last = end_s if end_s > last else last
+                if answer and end_s > last:
+                    last = end_s
         for request in gone:
             self.finish(request)
         return count, last

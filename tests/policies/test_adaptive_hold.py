@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import pytest
@@ -128,29 +129,47 @@ def test_hold_of_bounds_the_hold_by_the_ttft_objective() -> None:
 
 
 def test_stream_ledger_knows_when_a_workers_requests_are_done() -> None:
-    ledger = StreamLedger()
-    ledger.place("a", (("m1", 12.0),))
-    ledger.place("b", (("p1", 10.5), ("m1", 13.0)))  # a split turn: prefill leg, then answer
+    ledger = StreamLedger(5.0)
+    ledger.place("a", (("m1", 12.0),), 10.0)
+    # A split turn: its prefill leg, then its answer.
+    ledger.place("b", (("p1", 10.5), ("m1", 13.0)), 10.0)
     assert ledger.done_at("m1", 10.0) == (2, 13.0)
-    assert ledger.done_at("p1", 10.0) == (1, 10.5)
+    # A prefill leg is a request there, but no stream to wait for.
+    assert ledger.done_at("p1", 10.0) == (1, 10.0)
     # The asking request's own placement is left out (deciding a turn again).
     assert ledger.done_at("m1", 10.0, exclude="b") == (1, 12.0)
     # Late: predicted done, not seen finish: it ends any moment.
-    assert ledger.done_at("p1", 11.0) == (1, 11.0)
-    ledger.place("b", (("m2", 14.0),))  # decided again: replaces its legs
+    assert ledger.done_at("m1", 13.5) == (2, 13.5)
+    ledger.place("b", (("m2", 14.0),), 10.0)  # decided again: replaces its legs
     assert ledger.done_at("m1", 10.0) == (1, 12.0)
     assert ledger.done_at("p1", 10.0) == (0, 10.0)
     ledger.finish("a")
     assert ledger.done_at("m1", 10.0) == (0, 10.0)
-    ledger.place("c", ())  # rejected: nowhere
+    ledger.place("c", (), 10.0)  # rejected: nowhere
     assert ledger.done_at("m2", 10.0) == (1, 14.0)
 
 
 def test_stream_ledger_forgets_requests_whose_outcome_never_came() -> None:
-    ledger = StreamLedger()
-    ledger.place("lost", (("m1", 10.0),))
-    ledger.place("live", (("m1", 10.0 + STALE_AFTER_S),))
+    ledger = StreamLedger(5.0)
+    ledger.place("lost", (("m1", 10.0),), 10.0)
+    ledger.place("live", (("m1", 10.0 + STALE_AFTER_S),), 10.0)
     later = 10.0 + STALE_AFTER_S + 1.0
     assert ledger.done_at("m1", later) == (1, later)
     ledger.finish("live")
     assert ledger.done_at("m1", 0.0) == (0, 0.0)
+
+
+def test_stream_ledger_counts_the_answers_placed_on_each_worker_lately() -> None:
+    ledger = StreamLedger(5.0)
+    for i in range(10):
+        ledger.place(f"r{i}", (("p1", 10.1), ("m1", 11.0)), 10.0)  # answers on m1
+    assert ledger.answer_rate("m1", 10.0) == pytest.approx(10 / 5.0)
+    assert ledger.answer_rate("p1", 10.0) == 0.0
+    # The asking request's own answer is left out; decided again, it moves.
+    assert ledger.answer_rate("m1", 10.0, exclude="r0") == pytest.approx(9 / 5.0)
+    ledger.place("r0", (("m2", 11.0),), 10.0)
+    assert ledger.answer_rate("m1", 10.0) == pytest.approx(9 / 5.0)
+    assert ledger.answer_rate("m2", 10.0) == pytest.approx(1 / 5.0)
+    # Finished answers still count: the rate is of placements, decaying over the window.
+    ledger.finish("r1")
+    assert ledger.answer_rate("m1", 15.0) == pytest.approx(9 / 5.0 * math.exp(-1.0))
