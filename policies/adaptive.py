@@ -216,7 +216,11 @@ class AdaptivePolicy:
         )
         # Until when it occupies its workers: a held prefill waits for them to be done.
         legs = () if rejected else _ends(best, view.now_s)
-        self._done.place(turn.request_id, legs, view.now_s)
+        held = None
+        if hold_s > 0.0 and not rejected:
+            release = view.now_s + hold_s
+            held = (release, release + best.prefill_ms / 1000.0, best.slow_steps)
+        self._done.place(turn.request_id, legs, view.now_s, held)
         self._fresh.pop(turn.request_id, None)
         self._legs.pop(turn.request_id, None)
         if not rejected:

@@ -63,7 +63,8 @@ Candidates, each with ttft = queue + compute + own wait + H (decode-side terms i
   until they are done, hold = (the last one's predicted end - now) + one decode step, at most
   `max_hold_s`; its queue is max(queue(w), hold); the answers this policy places on w
   meanwhile (at its recent rate a, `StreamLedger`) are beside it then: harm x min(1, a x hold
-  / R), and no own wait (its slow steps still expose the answers decoding on w later).
+  / R), and no own wait. An answer placed on w while prefills are held for it meets their
+  slow steps where its decode overlaps their run: exposure + those steps / B(G).
 
 misses = harm + exposure + TTFT risk; cost = misses + `TTFT_WEIGHT` x ((ttft + `WORK_WEIGHT` x
 compute) / objective + pace), pace = the answer's decode step at R' + 1 streams on d over the
@@ -121,6 +122,9 @@ class Scorer(TurnTerms):
         action: Action = "colocate"
         if self._resident is not None and wid != self._resident:
             action = "recompute"
+        first = queue + prefill.compute_ms + prefill.own_wait_ms
+        decode = self._own_gaps * self._answer_step(worker)
+        exposure = self.exposure(worker, hosting=prefill.slow_steps > 0)
         return Candidate(
             action,
             (wid,),
@@ -130,13 +134,13 @@ class Scorer(TurnTerms):
             own_wait_ms=prefill.own_wait_ms,
             harm_ms=prefill.harm_ms,
             harm=prefill.harm,
-            exposure=self.exposure(worker, hosting=prefill.slow_steps > 0),
+            exposure=exposure + self._held_exposure(wid, first, decode),
             slow_steps=prefill.slow_steps,
             leg=prefill.leg,
             work_ms=prefill.work_ms,
             pace=self.pace(worker),
             hold_ms=hold,
-            decode_ms=self._own_gaps * self._answer_step(worker),
+            decode_ms=decode,
         )
 
     def handoff(
@@ -161,6 +165,8 @@ class Scorer(TurnTerms):
         decode_queue = receiver.queue_ms - ready
         slot = receiver.slot_ms
         decode_queue = slot if slot > decode_queue else decode_queue
+        first = ready + (decode_queue if decode_queue > 0.0 else 0.0)
+        decode_ms = self._own_gaps * self._answer_step(decode)
         return Candidate(
             action,
             (prefill.worker_id, decode.worker_id),
@@ -170,7 +176,7 @@ class Scorer(TurnTerms):
             own_wait_ms=local.own_wait_ms,
             harm_ms=local.harm_ms,
             harm=local.harm,
-            exposure=receiver.exposure,
+            exposure=receiver.exposure + self._held_exposure(decode.worker_id, first, decode_ms),
             slow_steps=local.slow_steps,
             leg=local.leg,
             work_ms=local.work_ms,
@@ -180,8 +186,19 @@ class Scorer(TurnTerms):
             leg_tokens=lacking + self._own_gaps + 1,
             prefill_ms=local.compute_ms,
             hold_ms=hold,
-            decode_ms=self._own_gaps * self._answer_step(decode),
+            decode_ms=decode_ms,
         )
+
+    def _held_exposure(self, worker_id: str, first_ms: float, decode_ms: float) -> float:
+        """Expected misses of the answer decoding on the worker from `first_ms` for
+        `decode_ms` from the prefills held for it: the slow steps it meets there, over its
+        budget."""
+        if self._done is None or decode_ms <= 0.0:
+            return 0.0
+        start = self._now_s + first_ms / 1000.0
+        met = self._done.held_steps(worker_id, start, start + decode_ms / 1000.0,
+                                    self._request_id)  # fmt: skip
+        return met / self._own_budget
 
     def holds(self, worker: WorkerView) -> bool:
         """Whether holding the turn's prefill on `worker` stalls fewer streams: it harms the
@@ -209,6 +226,8 @@ class Scorer(TurnTerms):
         if ledger is not None and local.harm > 0.0 and local.slow_steps >= self._stream_budget:
             count, done_s = ledger.done_at(wid, self._now_s, self._request_id)
             running = self.streams(worker)
+            # Where its streams are prefill legs or answers predicted done (the scrape lags),
+            # the hold is a step: the prefill harms no stream there.
             if count >= running:
                 # The last stream's final token is out a step after it is computed.
                 estimates = self._estimates

@@ -1,8 +1,9 @@
 """`StreamLedger`: the requests the adaptive policy placed on each worker and has not seen
 finish, and when each is predicted to be done there (a decode stream at its last token, a
-split turn's prefill leg when its KV leaves); and the rate it places answers on each worker.
-Once a worker's requests are done, a prefill held until then (`Colocate.hold_s`) stalls no
-stream there but those placed there meanwhile.
+split turn's prefill leg when its KV leaves); the rate it places answers on each worker; and
+the prefills it holds for each worker (`Colocate.hold_s`), when they will run there. Once a
+worker's requests are done, a prefill held until then stalls no stream there but those placed
+there meanwhile; an answer placed there meets its slow steps if it decodes while it runs.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from policies.adaptive_ledgers import (
 STALE_AFTER_S = 60.0
 
 Leg = tuple[str, float]  # worker, when predicted done there (s)
+Held = tuple[float, float, int]  # a held prefill's release and end (s), its slow steps
 
 
 class StreamLedger:
@@ -34,12 +36,23 @@ class StreamLedger:
         self._ends: dict[str, dict[str, tuple[float, bool]]] = {}
         self._answers: dict[str, tuple[float, float]] = {}  # worker -> (count, as of time)
         self._answered: dict[str, tuple[str, float]] = {}  # request -> (worker, at)
+        # worker -> request -> (release, prefill done, slow steps) of each prefill held there
+        self._held: dict[str, dict[str, Held]] = {}
+        self._holding: dict[str, str] = {}  # request -> the worker its prefill is held for
 
-    def place(self, request_id: str, legs: Sequence[Leg], at_s: float) -> None:
+    def place(
+        self, request_id: str, legs: Sequence[Leg], at_s: float, held: Held | None = None
+    ) -> None:
         """`request_id`, placed at `at_s`, is on each (worker, until) of `legs` (none:
-        rejected; the last one is its answer, a split turn's first its prefill leg); deciding
-        a turn again replaces what it placed before."""
+        rejected; the last one is its answer, a split turn's first its prefill leg), its
+        prefill `held` (release, done, slow steps) on the first; deciding a turn again
+        replaces what it placed before."""
         self.finish(request_id)
+        if held is not None and legs and held[2] > 0:
+            worker = legs[0][0]
+            if worker in self._held or len(self._held) < MAX_TRACKED_WORKERS:
+                self._held.setdefault(worker, {})[request_id] = held
+                self._holding[request_id] = worker
         old = self._answered.pop(request_id, None)
         if old is not None:
             self._count(old[0], old[1], -1.0)
@@ -62,12 +75,41 @@ class StreamLedger:
                 self.finish(request)
 
     def finish(self, request_id: str) -> None:
+        held = self._holding.pop(request_id, None)
+        if held is not None:
+            holds = self._held[held]
+            del holds[request_id]
+            if not holds:
+                del self._held[held]
         for worker, _ in self._placed.pop(request_id, ()):
             ends = self._ends.get(worker)
             if ends is not None:
                 ends.pop(request_id, None)
                 if not ends:
                     del self._ends[worker]
+
+    def held_steps(self, worker: str, start_s: float, end_s: float, exclude: str = "") -> float:
+        """The slow steps an answer decoding on `worker` from `start_s` to `end_s` meets of
+        the prefills held for it (of each, the share of its run the answer overlaps),
+        `exclude`'s own left out."""
+        holds = self._held.get(worker)
+        if not holds:
+            return 0.0
+        met = 0.0
+        gone = []
+        for request, (release_s, done_s, steps) in holds.items():
+            if done_s < start_s - STALE_AFTER_S:
+                gone.append(request)
+            elif request != exclude and release_s < end_s and done_s > start_s:
+                if done_s <= release_s:
+                    met += steps
+                else:
+                    first = release_s if release_s > start_s else start_s
+                    last = done_s if done_s < end_s else end_s
+                    met += steps * (last - first) / (done_s - release_s)
+        for request in gone:
+            self.finish(request)
+        return met
 
     def answer_rate(self, worker: str, now_s: float, exclude: str = "") -> float:
         """Answers per second placed on `worker` lately, `exclude`'s own left out."""
@@ -85,10 +127,10 @@ class StreamLedger:
             self._answers[worker] = (count if count > 0.0 else 0.0, as_of)
 
     def done_at(self, worker: str, now_s: float, exclude: str = "") -> tuple[int, float]:
-        """(how many requests, when the last answer is done) of those placed on `worker`
-        and not seen finish, `exclude`'s own left out; an answer predicted done already is
-        late: it ends any moment (now). A prefill leg there counts, but is no stream for a
-        prefill to wait for."""
+        """(how many requests, when the last answer is done) of those placed on `worker` and
+        not seen finish, `exclude`'s own left out; an answer predicted done already is late:
+        it ends any moment (now). A prefill leg there counts, but is no stream for a prefill
+        to wait for (with none but prefill legs, a prefill there waits for nothing: now)."""
         ends = self._ends.get(worker)
         if not ends:
             return 0, now_s

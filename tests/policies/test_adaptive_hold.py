@@ -20,6 +20,7 @@ from policies import (
     Turn,
     create_policy,
 )
+from policies.adaptive_scoring import Scorer
 from policies.adaptive_streams import STALE_AFTER_S, StreamLedger
 from policies.types import action_of, hold_of
 from tests.policies.views import w
@@ -173,3 +174,39 @@ def test_stream_ledger_counts_the_answers_placed_on_each_worker_lately() -> None
     # Finished answers still count: the rate is of placements, decaying over the window.
     ledger.finish("r1")
     assert ledger.answer_rate("m1", 15.0) == pytest.approx(9 / 5.0 * math.exp(-1.0))
+
+
+def test_stream_ledger_knows_the_slow_steps_of_the_prefills_held_for_a_worker() -> None:
+    ledger = StreamLedger(5.0)
+    # A prefill held for m1 until 11.0, running 11.0-12.0 in 4 slow steps.
+    ledger.place("h", (("m1", 12.5),), 10.0, held=(11.0, 12.0, 4))
+    assert ledger.held_steps("m1", 10.0, 10.9) == 0.0  # done before it goes
+    assert ledger.held_steps("m1", 12.1, 13.0) == 0.0  # starts after it ran
+    assert ledger.held_steps("m1", 10.0, 13.0) == 4.0  # decodes all through it
+    assert ledger.held_steps("m1", 11.5, 13.0) == pytest.approx(2.0)  # its second half
+    assert ledger.held_steps("m2", 10.0, 13.0) == 0.0
+    assert ledger.held_steps("m1", 10.0, 13.0, exclude="h") == 0.0
+    ledger.finish("h")
+    assert ledger.held_steps("m1", 10.0, 13.0) == 0.0
+
+
+def test_an_answer_placed_where_a_prefill_is_held_meets_its_slow_steps() -> None:
+    policy, _ = busy_policy({})
+    held = policy.decide(turn("c", 16_000, 10.1), cluster(10.1, m1=1, m2=1))
+    assert hold_of(held, SHORT.ttft_ms) > 0.0
+    assert isinstance(held, Colocate | Recompute | Handoff)
+    worker = held.prefill_worker if isinstance(held, Handoff) else held.worker
+
+    def exposure(now: float, done: StreamLedger | None) -> float:
+        """Of a short turn prefilled on the other worker and decoded on the held one's."""
+        view = cluster(now, m1=1, m2=1)
+        there = next(w for w in view.workers if w.worker_id == worker)
+        other = next(w for w in view.workers if w.worker_id != worker)
+        scorer = Scorer(turn("d", 1000, now), view, policy.estimates, links={},
+                        horizon_s=1.0, default_bps=12.5e9, done=done)  # fmt: skip
+        return scorer.handoff(other, there).exposure
+
+    # Its answer decodes while the held prefill runs there: it meets its slow step.
+    assert exposure(10.15, policy._done) > exposure(10.15, None) + 0.1
+    # Placed once the held prefill has run, it meets nothing.
+    assert exposure(12.0, policy._done) == exposure(12.0, None)
