@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
 import pytest
 
 from bench.up import free_port_block
 from tests.conftest import free_port
+from tests.e2e.recording_worker import RecordingWorker
 from tests.procs import Process
 
 
@@ -33,6 +34,15 @@ def sim4() -> Iterator[SimCluster]:
     cluster = start_sim_cluster(4)
     yield cluster
     cluster.process.stop()
+
+
+@pytest.fixture
+async def recorder() -> AsyncIterator[RecordingWorker]:
+    """A fake worker recording what the router sends it."""
+    worker = RecordingWorker()
+    await worker.start()
+    yield worker
+    await worker.stop()
 
 
 @dataclass

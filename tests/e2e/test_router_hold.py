@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
@@ -16,14 +15,6 @@ from tests.e2e.recording_worker import RecordingWorker
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 POLICY = "tests.e2e.scripted_policies:HoldThenColocate"
-
-
-@pytest.fixture
-async def recorder() -> AsyncIterator[RecordingWorker]:
-    worker = RecordingWorker()
-    await worker.start()
-    yield worker
-    await worker.stop()
 
 
 async def test_a_held_turn_goes_out_after_its_hold(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -16,14 +15,6 @@ from tests.e2e.helpers import admin_get, chat
 from tests.e2e.recording_worker import RecordingWorker
 
 MESSAGES = [{"role": "user", "content": "hello"}]
-
-
-@pytest.fixture
-async def recorder() -> AsyncIterator[RecordingWorker]:
-    worker = RecordingWorker()
-    await worker.start()
-    yield worker
-    await worker.stop()
 
 
 async def test_hop_by_hop_and_auth_headers_are_not_forwarded(
