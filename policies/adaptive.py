@@ -163,8 +163,8 @@ class AdaptivePolicy:
         # Colocating where the state lives is what any separation must beat.
         reference = whole[0] if resident is not None else min(whole, key=key)
         # Held twins: the same placements once the streams their prefill would stall end.
-        candidates = whole + [scorer.whole(w, held=True) for w in (resident, *roomy)
-                              if w is not None and scorer.holds(w)]  # fmt: skip
+        holds = [(w, scorer.hold(w)) for w in (resident, *roomy) if w is not None]
+        candidates = whole + [scorer.whole(w, held) for w, held in holds if held is not None]
         mover = None
         if (
             residency is not None
@@ -180,11 +180,12 @@ class AdaptivePolicy:
         for prefill in _prefill_shortlist(prefill_pool, p.shortlist, prefix, scorer):
             if prefill is mover:
                 continue
+            held = scorer.hold(prefill)
             for decode in decode_targets:
                 if decode is not prefill:
                     candidates.append(scorer.handoff(prefill, decode))
-                    if scorer.holds(prefill):
-                        candidates.append(scorer.handoff(prefill, decode, held=True))
+                    if held is not None:
+                        candidates.append(scorer.handoff(prefill, decode, held=held))
         if resident is not None:
             key = _rank_key(turn, reference)
         best = min(candidates, key=key)
@@ -216,11 +217,11 @@ class AdaptivePolicy:
         )
         # Until when it occupies its workers: a held prefill waits for them to be done.
         legs = () if rejected else _ends(best, view.now_s)
-        held = None
+        run = None  # when a held prefill runs, and its slow steps
         if hold_s > 0.0 and not rejected:
             release = view.now_s + hold_s
-            held = (release, release + best.prefill_ms / 1000.0, best.slow_steps)
-        self._done.place(turn.request_id, legs, view.now_s, held)
+            run = (release, release + best.prefill_ms / 1000.0, best.slow_steps)
+        self._done.place(turn.request_id, legs, view.now_s, run)
         self._fresh.pop(turn.request_id, None)
         self._legs.pop(turn.request_id, None)
         if not rejected:

@@ -142,7 +142,8 @@ class LegLedger:
 
 class StallLedger:
     """The prefill steps longer than the ITL objective this policy has placed, per worker,
-    as a count decaying with time constant `window_s` (their rate per second).
+    as a count decaying with time constant `window_s` (their rate per second); any count
+    placed per request works the same (`StreamLedger` counts answers with one).
 
     Keyed by request: placing a request again replaces its entry, so a decision repeated for
     the same turn and view is the same decision; `rate` leaves the asking request out."""

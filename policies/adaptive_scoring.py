@@ -87,6 +87,8 @@ from policies.adaptive_terms import PrefillTerms, TurnTerms
 from policies.estimates import Estimates, PrefillLeg
 from policies.types import Action, ClusterView, Turn, WorkerView
 
+Hold = tuple[float, PrefillTerms]  # a hold's ms, and the held prefill's terms
+
 
 class Scorer(TurnTerms):
     """Costs candidates for one turn against one view, from the terms they share
@@ -107,17 +109,17 @@ class Scorer(TurnTerms):
         super().__init__(turn, view, estimates, **terms)
         self._done = done
         self._max_hold_ms = max_hold_s * 1000.0
-        self._holds: dict[str, tuple[float, PrefillTerms] | None] = {}
+        self._holds: dict[str, Hold | None] = {}
 
-    def whole(self, worker: WorkerView, held: bool = False) -> Candidate:
+    def whole(self, worker: WorkerView, held: Hold | None = None) -> Candidate:
         """Prefill and decode on `worker`: colocate where the state is (or none is), else
         recompute; `held`: once the requests running there are done (`hold`)."""
         wid = worker.worker_id
         prefill = self._prefill_on(worker)
         queue = self.queue_ms(worker)
         hold = 0.0
-        if held:
-            hold, prefill = self._hold_on(worker)
+        if held is not None:
+            hold, prefill = held
             queue = hold if hold > queue else queue
         action: Action = "colocate"
         if self._resident is not None and wid != self._resident:
@@ -145,7 +147,7 @@ class Scorer(TurnTerms):
 
     def handoff(
         self, prefill: WorkerView, decode: WorkerView, action: Action = "handoff",
-        held: bool = False,
+        held: Hold | None = None,
     ) -> Candidate:  # fmt: skip
         """Prefill on `prefill`, move the KV `decode` lacks, decode there (a migration from
         the resident runs exactly so); `held`: the prefill once the requests running on
@@ -153,8 +155,8 @@ class Scorer(TurnTerms):
         local = self._prefill_on(prefill)
         queue = self.queue_ms(prefill)
         hold = 0.0
-        if held:
-            hold, local = self._hold_on(prefill)
+        if held is not None:
+            hold, local = held
             queue = hold if hold > queue else queue
         receiver = self._decode_on(decode)
         lacking = receiver.lacking
@@ -165,18 +167,19 @@ class Scorer(TurnTerms):
         decode_queue = receiver.queue_ms - ready
         slot = receiver.slot_ms
         decode_queue = slot if slot > decode_queue else decode_queue
-        first = ready + (decode_queue if decode_queue > 0.0 else 0.0)
+        waited = decode_queue if decode_queue > 0.0 else 0.0
         decode_ms = self._own_gaps * self._answer_step(decode)
+        held_exposure = self._held_exposure(decode.worker_id, ready + waited, decode_ms)
         return Candidate(
             action,
             (prefill.worker_id, decode.worker_id),
             self._objective_ms,
-            queue_ms=queue + (decode_queue if decode_queue > 0.0 else 0.0),
+            queue_ms=queue + waited,
             compute_ms=local.compute_ms + receiver.first_step_ms,
             own_wait_ms=local.own_wait_ms,
             harm_ms=local.harm_ms,
             harm=local.harm,
-            exposure=receiver.exposure + self._held_exposure(decode.worker_id, first, decode_ms),
+            exposure=receiver.exposure + held_exposure,
             slow_steps=local.slow_steps,
             leg=local.leg,
             work_ms=local.work_ms,
@@ -200,47 +203,43 @@ class Scorer(TurnTerms):
                                     self._request_id)  # fmt: skip
         return met / self._own_budget
 
-    def holds(self, worker: WorkerView) -> bool:
-        """Whether holding the turn's prefill on `worker` stalls fewer streams: it harms the
-        streams there now, all of them placed by this policy (`StreamLedger`: a stream
+    def hold(self, worker: WorkerView) -> Hold | None:
+        """(hold ms, the prefill then) of holding the turn's prefill on `worker` until the
+        streams it would stall there are done, or None where holding spares none: it harms
+        the streams there now, all of them placed by this policy (`StreamLedger`: a stream
         another router placed ends at a time nobody here knows), done within `max_hold_s`."""
-        return self._hold(worker) is not None
-
-    def _hold_on(self, worker: WorkerView) -> tuple[float, PrefillTerms]:
-        held = self._hold(worker)
-        assert held is not None, "a held candidate on a worker that holds nothing"
-        return held
-
-    def _hold(self, worker: WorkerView) -> tuple[float, PrefillTerms] | None:
-        """(hold ms, the prefill then: alone, harming none) on `worker`, or None."""
         wid = worker.worker_id
-        if wid in self._holds:
-            return self._holds[wid]
-        held = None
+        if wid not in self._holds:
+            self._holds[wid] = self._held(worker)
+        return self._holds[wid]
+
+    def _held(self, worker: WorkerView) -> Hold | None:
         local = self._prefill_on(worker)
         ledger = self._done
         # Only a prefill whose own slow steps spend a stream's whole budget (each stream
         # beside it misses, and only a hold spares them): to spare streams a part of theirs,
         # a hold would leave the worker's compute idle and the turn waiting for a calm busy
         # workers never have (measured: Mooncake's attainment falls).
-        if ledger is not None and local.harm > 0.0 and local.slow_steps >= self._stream_budget:
-            count, done_s = ledger.done_at(wid, self._now_s, self._request_id)
-            running = self.streams(worker)
-            # Where its streams are prefill legs or answers predicted done (the scrape lags),
-            # the hold is a step: the prefill harms no stream there.
-            if count >= running:
-                # The last stream's final token is out a step after it is computed.
-                estimates = self._estimates
-                step = estimates.decode_step_ms(running, estimates.mean_context_tokens, wid)
-                hold = (done_s - self._now_s) * 1000.0 + step
-                if hold <= self._max_hold_ms:
-                    hold = hold if hold > 0.0 else 0.0
-                    # The answers placed there meanwhile are beside it when it goes.
-                    meanwhile = ledger.answer_rate(wid, self._now_s, self._request_id)
-                    share = meanwhile * hold / 1000.0 / running
-                    held = (hold, self._alone(wid, local, share if share < 1.0 else 1.0))
-        self._holds[wid] = held
-        return held
+        if ledger is None or not local.harm > 0.0 or local.slow_steps < self._stream_budget:
+            return None
+        wid = worker.worker_id
+        count, done_s = ledger.done_at(wid, self._now_s, self._request_id)
+        running = self.streams(worker)
+        # Where its streams are prefill legs or answers predicted done (the scrape lags),
+        # the hold is a step: the prefill harms no stream there.
+        if count < running:
+            return None
+        # The last stream's final token is out a step after it is computed.
+        estimates = self._estimates
+        step = estimates.decode_step_ms(running, estimates.mean_context_tokens, wid)
+        hold = (done_s - self._now_s) * 1000.0 + step
+        if hold > self._max_hold_ms:
+            return None
+        hold = hold if hold > 0.0 else 0.0
+        # The answers placed there meanwhile are beside it when it goes.
+        meanwhile = ledger.answer_rate(wid, self._now_s, self._request_id)
+        share = meanwhile * hold / 1000.0 / running
+        return hold, self._alone(wid, local, share if share < 1.0 else 1.0)
 
     def _alone(self, worker_id: str, local: PrefillTerms, share: float) -> PrefillTerms:
         """`local`, the turn's prefill on the worker, once its streams are done: `share` of

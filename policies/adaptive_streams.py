@@ -10,12 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from policies.adaptive_ledgers import (
-    MAX_TRACKED_REQUESTS,
-    MAX_TRACKED_WORKERS,
-    decayed_add,
-    decayed_rate,
-)
+from policies.adaptive_ledgers import MAX_TRACKED_REQUESTS, MAX_TRACKED_WORKERS, StallLedger
 
 # A request predicted done this long ago whose outcome never came (lost, or a replica's
 # restart) no longer counts.
@@ -30,12 +25,11 @@ class StreamLedger:
     answers placed there as a count decaying with time constant `window_s`."""
 
     def __init__(self, window_s: float) -> None:
-        self.window_s = window_s
         self._placed: dict[str, tuple[Leg, ...]] = {}
         # worker -> request -> (predicted done, whether it is an answer)
         self._ends: dict[str, dict[str, tuple[float, bool]]] = {}
-        self._answers: dict[str, tuple[float, float]] = {}  # worker -> (count, as of time)
-        self._answered: dict[str, tuple[str, float]] = {}  # request -> (worker, at)
+        # The answers placed on each worker, one count each (a re-decided turn's replaced).
+        self._answers = StallLedger(window_s)
         # worker -> request -> (release, prefill done, slow steps) of each prefill held there
         self._held: dict[str, dict[str, Held]] = {}
         self._holding: dict[str, str] = {}  # request -> the worker its prefill is held for
@@ -53,15 +47,7 @@ class StreamLedger:
             if worker in self._held or len(self._held) < MAX_TRACKED_WORKERS:
                 self._held.setdefault(worker, {})[request_id] = held
                 self._holding[request_id] = worker
-        old = self._answered.pop(request_id, None)
-        if old is not None:
-            self._count(old[0], old[1], -1.0)
-        if legs:
-            self._count(legs[-1][0], at_s, 1.0)
-            self._answered[request_id] = (legs[-1][0], at_s)
-            if len(self._answered) > MAX_TRACKED_REQUESTS:  # long decayed away
-                for request in list(self._answered)[: MAX_TRACKED_REQUESTS // 4]:
-                    del self._answered[request]
+        self._answers.place(request_id, legs[-1][0] if legs else None, at_s, 1)
         last = len(legs) - 1
         kept = []
         for i, (worker, end_s) in enumerate(legs):
@@ -113,18 +99,7 @@ class StreamLedger:
 
     def answer_rate(self, worker: str, now_s: float, exclude: str = "") -> float:
         """Answers per second placed on `worker` lately, `exclude`'s own left out."""
-        entry = self._answers.get(worker)
-        if entry is None:
-            return 0.0
-        own = self._answered.get(exclude)
-        mine = (1.0, own[1]) if own is not None and own[0] == worker else None
-        return decayed_rate(*entry, now_s, self.window_s, mine)
-
-    def _count(self, worker: str, at_s: float, amount: float) -> None:
-        count, as_of = decayed_add(*self._answers.get(worker, (0.0, at_s)), at_s, amount,
-                                    self.window_s)  # fmt: skip
-        if worker in self._answers or len(self._answers) < MAX_TRACKED_WORKERS:
-            self._answers[worker] = (count if count > 0.0 else 0.0, as_of)
+        return self._answers.rate(worker, now_s, exclude)
 
     def done_at(self, worker: str, now_s: float, exclude: str = "") -> tuple[int, float]:
         """(how many requests, when the last answer is done) of those placed on `worker` and
