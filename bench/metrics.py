@@ -19,7 +19,9 @@ each run an object with:
     good: int, slo_attainment: good / requests, goodput_rps: good / duration_s,
     ttft_ms: {p50, p90, p99}, itl_ms: {p50, p90, p99, max} (pooled gaps), tpot_ms: {p50, p99},
     stalls: int (pooled), recomputed_tokens: int, transferred_bytes: int,
-    exposed_transfer_ms: {p50, p99}, actions: {action: count}, per_class: {klass: attainment}.
+    exposed_transfer_ms: {p50, p99}, actions: {action: count}, per_class: {klass: attainment},
+    misses: {rejected, failed, ttft_late, ttft_late_foreseen, itl_over} (`MissCauses`: why the
+    requests that were not good were not; absent in files written before it).
 Latency statistics cover completed requests only; a statistic with no sample is null, and
 ratios over nothing are 0.0.
 """
@@ -34,6 +36,8 @@ from pathlib import Path
 from typing import Literal
 
 import msgspec
+
+from policies.types import Prediction
 
 Status = Literal["completed", "rejected", "error"]
 FirstTokenConvention = Literal["decode", "prefill"]
@@ -65,6 +69,8 @@ class RequestResult(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     recomputed_tokens: int = 0
     transferred_bytes: int = 0
     exposed_transfer_ms: float | None = None
+    # The router's predicted TTFT for this turn when it placed it (joined like `action`).
+    predicted_ttft_ms: float | None = None
 
 
 class Objectives(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -168,6 +174,50 @@ class TailStats(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     p99: float | None = None
 
 
+class MissCauses(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Why requests were not good, each counted once, in this order: rejected; failed (an
+    error); TTFT over its objective (`ttft_late`; of those, `ttft_late_foreseen` the router
+    placed predicting so, best effort); else the p99 of its gaps over its ITL objective."""
+
+    rejected: int = 0
+    failed: int = 0
+    ttft_late: int = 0
+    ttft_late_foreseen: int = 0
+    itl_over: int = 0
+
+
+def predicted_ttft(predicted: Prediction | None) -> float | None:
+    """The TTFT a policy predicted for a turn, None where it predicts none (the baselines'
+    decisions carry an empty `Prediction`)."""
+    return predicted.ttft_ms if predicted is not None and predicted.ttft_ms > 0.0 else None
+
+
+def miss_cause(result: RequestResult, objectives: Objectives = DEFAULT_OBJECTIVES) -> str | None:
+    """The `MissCauses` field counting `result`, or None when it is good (`is_good`)."""
+    if result.status != "completed":
+        return "rejected" if result.status == "rejected" else "failed"
+    ttft = ttft_ms(result)
+    objective = objectives.ttft_for(result)
+    if ttft is None or ttft > objective:
+        predicted = result.predicted_ttft_ms
+        return (
+            "ttft_late_foreseen" if predicted is not None and predicted > objective else "ttft_late"
+        )
+    gaps = itl_gaps_ms(result)
+    return "itl_over" if gaps and percentile(gaps, 99) > objectives.itl_for(result) else None
+
+
+def miss_causes(results: Iterable[RequestResult], objectives: Objectives) -> MissCauses:
+    causes = Counter(miss_cause(r, objectives) for r in results)
+    return MissCauses(
+        rejected=causes["rejected"],
+        failed=causes["failed"],
+        ttft_late=causes["ttft_late"] + causes["ttft_late_foreseen"],
+        ttft_late_foreseen=causes["ttft_late_foreseen"],
+        itl_over=causes["itl_over"],
+    )
+
+
 class RunSummary(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """One replay of one trace under one policy at one rate (see the module docstring)."""
 
@@ -193,6 +243,7 @@ class RunSummary(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_d
     exposed_transfer_ms: TailStats
     actions: dict[str, int]
     per_class: dict[str, float]
+    misses: MissCauses | None = None
     max_goodput_rps: float | None = None  # only by `bench simulate --find-max-goodput`
 
 
@@ -259,6 +310,7 @@ def summarise(
         exposed_transfer_ms=_tail(exposed),
         actions=dict(sorted(Counter(r.action for r in results if r.action).items())),
         per_class={k: class_good[k] / n for k, n in sorted(class_total.items())},
+        misses=miss_causes(results, objectives),
     )
 
 

@@ -7,9 +7,10 @@ Used by live replay, `bench compare` and the discrete-event simulator alike. Lay
     requests.jsonl   one `RequestResult` per line, as its JSON object: the client's
                      timestamps (sent_at, first_chunk_at, chunk_times, done_at; monotonic
                      seconds), status, token counts, objectives, and the router's stage fields
-                     (action, recomputed_tokens, transferred_bytes, exposed_transfer_ms; null
-                     or 0 when not joined)
-    report.md        objectives, one row per run, per-class attainment, figures
+                     (action, recomputed_tokens, transferred_bytes, exposed_transfer_ms,
+                     predicted_ttft_ms; null or 0 when not joined)
+    report.md        objectives, one row per run, why requests were not good, per-class
+                     attainment, figures
     report.html      the same document; images by relative path
     ttft_cdf.png, itl_cdf.png, slo_by_class.png, decisions.png
 

@@ -16,8 +16,9 @@ the report judge by the same numbers. Chunk timing and status rules: `bench.repl
 
 Router stage events are joined afterwards by request id (`join_stage_events`), from
 `GET /admin/decisions` or the router's `--events` file. Joined, per request: `action`,
-`recomputed_tokens`, `transferred_bytes`, and `exposed_transfer_ms` = (transfer_end -
-transfer_start) in ms when both are stamped (handoff and migrate turns). Under the "decode"
+`recomputed_tokens`, `transferred_bytes`, `predicted_ttft_ms` (the policy's, when it made one)
+and `exposed_transfer_ms` = (transfer_end - transfer_start) in ms when both are stamped
+(handoff and migrate turns). Under the "decode"
 first-token convention that time lies inside the TTFT; under "prefill" inside the first
 inter-token gap. The convention itself is returned for the summary. Nothing else is taken
 from the router: every latency is the client's own.
@@ -38,7 +39,7 @@ from typing import NamedTuple
 import aiohttp
 import msgspec
 
-from bench.metrics import FirstTokenConvention, Objectives, RequestResult, Status
+from bench.metrics import FirstTokenConvention, Objectives, RequestResult, Status, predicted_ttft
 from bench.replay_stream import PATHS, Api, StreamOutcome, error_text, stream_request
 from bench.textgen import VOCABULARY, Message, PromptSynth, chat_prompt_tokens, count_words
 from bench.traces import Conversation, Trace
@@ -393,6 +394,7 @@ def join_stage_events(
                 recomputed_tokens=event.recomputed_tokens,
                 transferred_bytes=event.transferred_bytes,
                 exposed_transfer_ms=exposed,
+                predicted_ttft_ms=predicted_ttft(event.predicted),
             )
         )
     return joined, matched, convention

@@ -1,8 +1,9 @@
 """report.md and report.html: one document, two renderings, built from a `Summary`.
 
-The document states the objectives used, then one row per run in three tables (requests and
-goodput; client latency; placement), the max goodput rate where several rates were replayed,
-SLO attainment per workload class, and the figures (linked by relative path).
+The document states the objectives used, then one row per run in four tables (requests and
+goodput; client latency; placement; why requests were not good), the max goodput rate where
+several rates were replayed, SLO attainment per workload class, and the figures (linked by
+relative path).
 """
 
 from __future__ import annotations
@@ -148,6 +149,25 @@ def _per_class(runs: Sequence[RunSummary], labels: Sequence[str]) -> list[Block]
     return [Heading(2, "SLO attainment per workload class"), Table(("class", *labels), rows)]
 
 
+def _misses(runs: Sequence[RunSummary], labels: Sequence[str]) -> list[Block]:
+    rows = []
+    for run, label in zip(runs, labels, strict=True):
+        if (m := run.misses) is not None:
+            late = f"{m.ttft_late} ({m.ttft_late_foreseen})"
+            counts = (run.requests - run.good, m.rejected, m.failed)
+            rows.append((label, f"{run.rate_scale:g}x", *map(str, counts), late, str(m.itl_over)))
+    if not rows:
+        return []
+    why = (
+        "Each request that missed counted once: rejected, failed, TTFT over its objective (in "
+        "parentheses: placed with a predicted TTFT already over it, best effort), else the p99 "
+        "of its gaps over its ITL objective."
+    )
+    header = ("run", "rate", "not good", "rejected", "failed", "TTFT late (foreseen)",
+              "ITL p99 over")  # fmt: skip
+    return [Heading(2, "Why requests were not good"), Paragraph(why), Table(header, tuple(rows))]
+
+
 def build_report(
     summary: Summary, title: str, notes: Sequence[str], figures: Sequence[Image]
 ) -> list[Block]:
@@ -161,6 +181,7 @@ def build_report(
         blocks.append(Paragraph("No runs were recorded."))
         return blocks
     blocks += _tables(runs, labels)
+    blocks += _misses(runs, labels)
     blocks += _max_goodput_rates(runs)
     blocks += _per_class(runs, labels)
     if figures:

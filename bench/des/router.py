@@ -30,7 +30,7 @@ from bench.des.loop import EventLoop
 from bench.des.results import PolicyError, PolicyFailure, PolicyStage
 from bench.des.turns import DoneCallback, Flight, TurnRequest
 from bench.des.views import ViewBuilder
-from bench.metrics import RequestResult, Status
+from bench.metrics import RequestResult, Status, predicted_ttft
 from policies.base import Policy
 from policies.calibration import queue_ahead
 from policies.types import (
@@ -366,6 +366,7 @@ class SimRouter:
             recomputed_tokens=events.recomputed_tokens,
             transferred_bytes=events.transferred_bytes,
             exposed_transfer_ms=exposed,
+            predicted_ttft_ms=predicted_ttft(events.predicted),
         )  # fmt: skip
         self._on_done(req, result, answer)
 

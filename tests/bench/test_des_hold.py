@@ -1,4 +1,5 @@
-"""A decision's hold (`hold_s`) in the simulator: the turn waits in the router first."""
+"""A decision's hold (`hold_s`) in the simulator: the turn waits in the router first; and
+the predicted TTFT each result carries."""
 
 from __future__ import annotations
 
@@ -9,7 +10,16 @@ from bench.des import SimConfig, simulate
 from bench.layout import ClusterSpec
 from bench.traces import Conversation, Trace, TraceTurn
 from policies.params import NoParams
-from policies.types import ClusterView, Colocate, Decision, Handoff, Outcome, Role, Turn
+from policies.types import (
+    ClusterView,
+    Colocate,
+    Decision,
+    Handoff,
+    Outcome,
+    Prediction,
+    Role,
+    Turn,
+)
 from sim.presets import deployment_from_names
 from sim.roofline import CostModel
 
@@ -63,3 +73,23 @@ def test_a_held_turn_is_sent_after_its_hold(policy: Holding) -> None:
     assert outcome.ttft_ms == pytest.approx(ttft * 1000.0)
     # The router's queue stage starts when the hold ends.
     assert outcome.queue_ms is not None and outcome.queue_ms < 1e-6
+
+
+class Predicting(Holding):
+    """Runs every turn whole on w0, predicting a TTFT for the first turn only."""
+
+    def decide(self, turn: Turn, view: ClusterView) -> Decision:
+        if turn.request_id.endswith("#0"):
+            return Colocate("w0", predicted=Prediction(ttft_ms=123.5))
+        return Colocate("w0")
+
+
+def test_each_result_carries_the_ttft_its_policy_predicted() -> None:
+    turns = (TraceTurn(0.0, 1000, 4), TraceTurn(1.0, 500, 4))
+    trace = Trace("t", (Conversation("s0", turns),))
+    result = simulate(trace, Predicting(), config(("mixed", "mixed")))
+    assert result.failure is None
+    by_turn = sorted(result.results, key=lambda r: r.turn_index)
+    assert [r.status for r in by_turn] == ["completed", "completed"]
+    # A decision without a prediction (as the baselines make) predicts nothing, not 0 ms.
+    assert [r.predicted_ttft_ms for r in by_turn] == [123.5, None]

@@ -8,6 +8,7 @@ from msgspec.structs import astuple
 
 from bench.metrics import (
     ItlStats,
+    MissCauses,
     Objectives,
     RequestResult,
     Status,
@@ -20,6 +21,8 @@ from bench.metrics import (
     itl_gaps_ms,
     itl_stats,
     max_goodput_rate,
+    miss_cause,
+    miss_causes,
     percentile,
     percentiles,
     read_summary,
@@ -47,6 +50,7 @@ def _result(
     recomputed: int = 0,
     transferred: int = 0,
     exposed: float | None = None,
+    predicted: float | None = None,
 ) -> RequestResult:
     return RequestResult(
         request_id="r",
@@ -68,6 +72,7 @@ def _result(
         recomputed_tokens=recomputed,
         transferred_bytes=transferred,
         exposed_transfer_ms=exposed,
+        predicted_ttft_ms=predicted,
     )
 
 
@@ -154,6 +159,47 @@ def test_is_good_uses_p99_of_own_gaps() -> None:
     assert is_good(_result(chunks), Objectives(itl_ms=1062.5))
 
 
+@pytest.mark.parametrize(
+    ("result", "cause"),
+    [
+        # TTFT objective 1000 + 0.2 * 1000 = 1200 ms.
+        pytest.param(_result([11.125, 11.1875]), None, id="good"),
+        pytest.param(_result([], status="rejected"), "rejected", id="rejected"),
+        pytest.param(_result([10.5, 10.75], status="error"), "failed", id="failed"),
+        pytest.param(_result([11.25, 11.3125]), "ttft_late", id="late"),
+        pytest.param(_result([11.25, 11.3125], predicted=900.0), "ttft_late", id="unforeseen"),
+        pytest.param(
+            _result([11.25, 11.3125], predicted=1300.0), "ttft_late_foreseen", id="foreseen"
+        ),
+        pytest.param(_result([]), "ttft_late", id="no-first-token"),
+        # Late and with a 250 ms gap: counted once, as late.
+        pytest.param(_result([11.25, 11.5]), "ttft_late", id="late-and-slow"),
+        pytest.param(_result([10.5, 10.75]), "itl_over", id="slow"),
+        pytest.param(_result([10.5, 10.75], itl_slo=250.0), None, id="own-itl-objective"),
+    ],
+)
+def test_miss_cause_names_why_a_request_is_not_good(result: RequestResult, cause: str) -> None:
+    assert miss_cause(result) == cause
+    assert (cause is None) is is_good(result)
+
+
+def test_summarise_counts_why_requests_were_not_good() -> None:
+    results = [
+        _result([10.25, 10.3125]),
+        _result([], status="rejected"),
+        _result([], status="rejected"),
+        _result([10.125], status="error"),
+        _result([11.5], predicted=1500.0),
+        _result([11.5], predicted=1000.0),
+        _result([10.5, 10.75]),
+    ]
+    s = summarise(results, "adaptive", 1.0, 4.0, "decode")
+    assert s.misses == MissCauses(rejected=2, failed=1, ttft_late=2, ttft_late_foreseen=1,
+                                  itl_over=1)  # fmt: skip
+    m = miss_causes(results, Objectives())
+    assert m.rejected + m.failed + m.ttft_late + m.itl_over == s.requests - s.good
+
+
 def test_summarise_exact() -> None:
     results = [
         _result([10.25, 10.3125, 10.375], klass="a", action="colocate", exposed=2.0),
@@ -226,6 +272,7 @@ def test_summary_json_roundtrip(tmp_path: Path) -> None:
         "exposed_transfer_ms",
         "actions",
         "per_class",
+        "misses",
     }
     assert document["runs"][1]["ttft_ms"] == {"p50": None, "p90": None, "p99": None}
     path.write_text(json.dumps({**document, "schema_version": 2}))

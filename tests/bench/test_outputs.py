@@ -105,7 +105,9 @@ def test_many_runs_policies_by_rates(tmp_path: Path) -> None:
         assert (tmp_path / name).read_bytes().startswith(PNG)
     md = (tmp_path / "report.md").read_text()
     rows = [line for line in md.splitlines() if line.startswith("| colocate@")]
-    assert len(rows) == 3 * 3  # one row per colocate run in each of the three tables
+    assert len(rows) == 3 * 4  # one row per colocate run in each of the four tables
+    # every fourth request rejected, none otherwise missed: 2 of 8 at each rate
+    assert "| colocate@1x | 1x | 2 | 2 | 0 | 0 (0) | 0 |" in md
     assert "## Max goodput rate" in md
     # attainment is 75% at every rate (every fourth request rejected): never >= 90%
     assert "| colocate | - | 0.5x 75%, 1x 75%, 2x 75% |" in md

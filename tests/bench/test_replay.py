@@ -290,7 +290,7 @@ async def test_join_stage_events(serve: Any, tmp_path: Path) -> None:
     _events(path, [
         {"request_id": a, "session_id": "s0", "action": "handoff", "transfer_start": 100.25,
          "transfer_end": 100.375, "transferred_bytes": 4096, "first_token_convention": "prefill",
-         "future_field": 1},
+         "predicted": {"ttft_ms": 321.5}, "future_field": 1},
         {"request_id": b, "session_id": "s1", "action": "recompute", "recomputed_tokens": 77,
          "first_token_convention": "prefill"},
         {"request_id": "other-run", "session_id": "x", "action": "colocate"},
@@ -300,6 +300,8 @@ async def test_join_stage_events(serve: Any, tmp_path: Path) -> None:
     fields = [(r.action, r.recomputed_tokens, r.transferred_bytes, r.exposed_transfer_ms)
               for r in joined]  # fmt: skip
     assert fields == [("handoff", 0, 4096, 125.0), ("recompute", 77, 0, None), (None, 0, 0, None)]
+    # The policy's predicted TTFT where it made one (a baseline's decision predicts nothing).
+    assert [r.predicted_ttft_ms for r in joined] == [321.5, None, None]
     assert joined[2] == results[2]
 
 

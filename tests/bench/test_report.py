@@ -7,6 +7,7 @@ import pytest
 
 from bench.metrics import (
     ItlStats,
+    MissCauses,
     Objectives,
     RunSummary,
     Summary,
@@ -72,6 +73,22 @@ def test_tables_are_exact() -> None:
     assert per_class.header == ("class", "colocate")
     assert per_class.rows == (("a", "100%"), ("b", "50%"))
     assert not any(isinstance(b, Heading) and b.text == "Max goodput rate" for b in blocks)
+
+
+def test_why_requests_were_not_good_per_run() -> None:
+    misses = MissCauses(rejected=1, failed=0, ttft_late=4, ttft_late_foreseen=3, itl_over=2)
+    runs = [_run(rate=1.0, good=3, misses=misses), _run(rate=2.0)]
+    blocks = build_report(Summary(runs), "T", [], [])
+    at = blocks.index(Heading(2, "Why requests were not good"))
+    table = blocks[at + 2]
+    assert isinstance(table, Table)
+    assert table.header == ("run", "rate", "not good", "rejected", "failed",
+                            "TTFT late (foreseen)", "ITL p99 over")  # fmt: skip
+    # Only runs summarised with the causes (files written before them have none).
+    assert table.rows == (("colocate@1x", "1x", "7", "1", "0", "4 (3)", "2"),)
+    assert "Why requests were not good" not in render_markdown(
+        build_report(Summary([_run()]), "T", [], [])
+    )
 
 
 def test_objectives_always_printed_and_per_run_when_they_differ() -> None:
