@@ -75,7 +75,7 @@ class _Search:
         self.workload, self.variant, self.run, self.result = workload, variant, run, known
         self.search: Search | None = None
         self.probes: list[Offered] = []
-        self.passing: dict[float, RunSummary] = {}
+        self.summaries: dict[float, RunSummary] = {}
 
     def start(self, scale: float, tolerance: float) -> float:
         self.search = search = goodput_search(GOODPUT_TARGET, start=scale, tolerance=tolerance)
@@ -89,15 +89,16 @@ class _Search:
             self.search.close()
             self.result = Measured(self.variant.label, None, None, 0.0, self.probes, None, failure)
             return None
-        if offered.attainment >= GOODPUT_TARGET:
-            self.passing[offered.rate_scale] = summary
+        self.summaries[offered.rate_scale] = summary
         try:
             return self.search.send(offered.attainment)
         except StopIteration as stop:
             best, failing = stop.value.best_scale, stop.value.failing_scale
             rps = offered_rps(self.probes, best)
-            found = self.passing.get(best) if best is not None else None
-            self.result = Measured(self.variant.label, best, failing, rps, self.probes, found)
+            found = self.summaries.get(best) if best is not None else None
+            short = self.summaries.get(failing) if failing is not None else None
+            self.result = Measured(self.variant.label, best, failing, rps, self.probes, found,
+                                   failing=short)  # fmt: skip
             return None
 
 
@@ -196,7 +197,30 @@ def render(verdicts: Sequence[Verdict], command: str, notes: Sequence[str]) -> s
     head = "| workload | " + " | ".join(labels) + " |"
     lines += ["## Max goodput per variant (requests/s)", "", head, "|---|" + "---:|" * len(labels)]
     lines += [f"| {v.workload} | " + " | ".join(map(_rps, v.measured)) + " |" for v in verdicts]
-    return "\n".join([*lines, ""])
+    return "\n".join([*lines, *_shortfalls(verdicts), ""])
+
+
+def _shortfalls(verdicts: Sequence[Verdict]) -> list[str]:
+    """Why adaptive's requests were not good at the lowest rate it failed (`MissCauses`)."""
+    rows = []
+    for v in verdicts:
+        m = next((m for m in v.measured if m.label == "adaptive"), None)
+        run = m.failing if m is not None else None
+        if m is None or run is None or run.misses is None:
+            continue
+        c = run.misses
+        rows.append(f"| {v.workload} | {m.failing_scale:.4g}x | {run.slo_attainment:.1%} | "
+                    f"{run.requests - run.good} of {run.requests} | {c.rejected} | {c.failed} | "
+                    f"{c.ttft_late} ({c.ttft_late_foreseen}) | {c.itl_over} |")  # fmt: skip
+    if not rows:
+        return []
+    return [
+        "", "## Where adaptive fell short", "",
+        "Its probe at the lowest rate that failed: each request that was not good counted "
+        "once (TTFT late: in parentheses, placed predicting it late, best effort).", "",
+        "| workload | rate | good | not good | rejected | failed | TTFT late (foreseen) "
+        "| ITL p99 over |", "|---|---:|---:|---:|---:|---:|---:|---:|", *rows,
+    ]  # fmt: skip
 
 
 def names(text: str) -> list[str]:

@@ -89,6 +89,7 @@ class Measured(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     probes: list[Offered]
     best: RunSummary | None
     failure: str | None = None
+    failing: RunSummary | None = None  # the probe at `failing_scale`: why it fell short
 
 
 class Verdict(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -108,6 +108,7 @@ async def search(
         label=variant.label, best_scale=best, failing_scale=found.failing_scale,
         max_goodput_rps=rps,
         probes=probes, best=summaries.get(best) if best is not None else None,
+        failing=summaries.get(found.failing_scale) if found.failing_scale is not None else None,
     )  # fmt: skip
 
 

@@ -1,9 +1,12 @@
-"""What the simulator's acceptance of `adaptive` asks of each workload."""
+"""What the simulator's acceptance of `adaptive` asks of each workload, and what its report
+says where adaptive fell short."""
 
 from __future__ import annotations
 
-from bench.scripts.acceptance import _parser, matrix_spec
-from bench.scripts.acceptance_workloads import MULTI_TURN_NEEDS, matrix_workloads
+from bench.des import SimConfig
+from bench.layout import ClusterSpec, worker_roles
+from bench.scripts.acceptance import _parser, matrix_spec, measure, render, verdict
+from bench.scripts.acceptance_workloads import MULTI_TURN_NEEDS, Variant, matrix_workloads
 
 
 def test_single_classes_need_parity_and_the_multi_turn_mix_needs_more() -> None:
@@ -19,3 +22,28 @@ def test_single_classes_need_parity_and_the_multi_turn_mix_needs_more() -> None:
         "mixed-multi-turn": MULTI_TURN_NEEDS,
     }
     assert MULTI_TURN_NEEDS == 1.2
+
+
+def test_the_report_says_why_adaptive_fell_short_where_it_failed() -> None:
+    args = _parser().parse_args(
+        ["--cluster", "2xh200-sxm/llama-3.1-8b", "--prompts", "4096", "--outputs", "64",
+         "--reuse", "none", "--class-turns", "60", "--span-s", "5"]
+    )  # fmt: skip
+    workloads = matrix_workloads(matrix_spec(args), args.class_turns, args.span_s)
+    cluster = ClusterSpec.parse(args.cluster)
+    template = SimConfig(cluster=cluster, roles=tuple(worker_roles("colocate", cluster.workers)))
+    contenders = [Variant("colocate", "colocate"), Variant("adaptive", "adaptive", mixed=True)]
+    results = measure(workloads, contenders, template, jobs=1, tolerance=0.25)
+    [verdict_] = [verdict(w, results[w.name]) for w in workloads]
+    adaptive = next(m for m in verdict_.measured if m.label == "adaptive")
+    assert adaptive.failing_scale is not None and adaptive.failing is not None
+    assert adaptive.failing.rate_scale == adaptive.failing_scale
+    assert adaptive.failing.slo_attainment < 0.9
+    misses = adaptive.failing.misses
+    assert misses is not None
+    missed = misses.rejected + misses.failed + misses.ttft_late + misses.itl_over
+    assert missed == adaptive.failing.requests - adaptive.failing.good > 0
+    text = render([verdict_], "cmd", [])
+    shortfall = text.split("## Where adaptive fell short", 1)[1]
+    assert (f"| p4096-g64-none | {adaptive.failing_scale:.4g}x | "
+            f"{adaptive.failing.slo_attainment:.1%} | {missed} of ") in shortfall  # fmt: skip
