@@ -209,7 +209,7 @@ def _shortfalls(verdicts: Sequence[Verdict]) -> list[str]:
         if m is None or run is None or run.misses is None:
             continue
         c = run.misses
-        rows.append(f"| {v.workload} | {m.failing_scale:.4g}x | {run.slo_attainment:.1%} | "
+        rows.append(f"| {v.workload} | {m.failing_scale:.4g}x | {run.slo_attainment:.2%} | "
                     f"{run.requests - run.good} of {run.requests} | {c.rejected} | {c.failed} | "
                     f"{c.ttft_late} ({c.ttft_late_foreseen}) | {c.itl_over} |")  # fmt: skip
     if not rows:

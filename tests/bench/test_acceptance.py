@@ -46,4 +46,4 @@ def test_the_report_says_why_adaptive_fell_short_where_it_failed() -> None:
     text = render([verdict_], "cmd", [])
     shortfall = text.split("## Where adaptive fell short", 1)[1]
     assert (f"| p4096-g64-none | {adaptive.failing_scale:.4g}x | "
-            f"{adaptive.failing.slo_attainment:.1%} | {missed} of ") in shortfall  # fmt: skip
+            f"{adaptive.failing.slo_attainment:.2%} | {missed} of ") in shortfall  # fmt: skip
