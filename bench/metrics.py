@@ -154,13 +154,7 @@ def count_stalls(gaps: Iterable[float], stall_ms: float = DEFAULT_STALL_MS) -> i
 
 
 def is_good(result: RequestResult, objectives: Objectives = DEFAULT_OBJECTIVES) -> bool:
-    if result.status != "completed":
-        return False
-    ttft = ttft_ms(result)
-    if ttft is None or ttft > objectives.ttft_for(result):
-        return False
-    gaps = itl_gaps_ms(result)
-    return not gaps or percentile(gaps, 99) <= objectives.itl_for(result)
+    return miss_cause(result, objectives) is None
 
 
 class TtftStats(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -208,7 +202,10 @@ def miss_cause(result: RequestResult, objectives: Objectives = DEFAULT_OBJECTIVE
 
 
 def miss_causes(results: Iterable[RequestResult], objectives: Objectives) -> MissCauses:
-    causes = Counter(miss_cause(r, objectives) for r in results)
+    return _tally(Counter(miss_cause(r, objectives) for r in results))
+
+
+def _tally(causes: Counter[str | None]) -> MissCauses:
     return MissCauses(
         rejected=causes["rejected"],
         failed=causes["failed"],
@@ -272,8 +269,11 @@ def summarise(
     good = 0
     class_total: Counter[str] = Counter()
     class_good: Counter[str] = Counter()
+    causes: Counter[str | None] = Counter()
     for r in results:
         class_total[r.klass] += 1
+        cause = miss_cause(r, objectives)
+        causes[cause] += 1
         if r.status != "completed":
             continue
         ttft = ttft_ms(r)
@@ -283,7 +283,7 @@ def summarise(
         tpot = tpot_ms(r)
         if tpot is not None:
             tpots.append(tpot)
-        if is_good(r, objectives):
+        if cause is None:
             good += 1
             class_good[r.klass] += 1
     exposed = [r.exposed_transfer_ms for r in results if r.exposed_transfer_ms is not None]
@@ -310,7 +310,7 @@ def summarise(
         exposed_transfer_ms=_tail(exposed),
         actions=dict(sorted(Counter(r.action for r in results if r.action).items())),
         per_class={k: class_good[k] / n for k, n in sorted(class_total.items())},
-        misses=miss_causes(results, objectives),
+        misses=_tally(causes),
     )
 
 
