@@ -11,7 +11,8 @@ only from turns that found no queue ahead.
 
     wait(q) = max(0, base + factor x q x typical)
 
-`base` is the mean wait sample at q = 0 (the step in progress, the router's legs), `factor`
+`base` is the mean wait sample at q = 0 (the step in progress, the router's legs; less the
+prefill work the placement knew was ahead, which the policy's ledger predicts itself), `factor`
 the ratio of the mean excess wait (sample - base) to the mean q x typical over the samples
 with q > 0 (a ratio of means, not a mean of ratios, so noisy small samples do not bias it),
 starting at 1 (each request ahead costs one typical prefill), kept within the factor bounds.

@@ -283,8 +283,11 @@ class Estimates:
                 self._prefill, self._prefill_by_worker, worker if measured else None, terms,
                 stage - ahead,
             )  # fmt: skip
-        self._queue.observe(queued + stage - predicted, _ahead(leg, outcome),
-                            self._typical_prefill.value)  # fmt: skip
+        depth_ahead = _ahead(leg, outcome)
+        # Where none was queued, the wait the ledger foresaw (the work placed ahead) is no
+        # wait a queue causes: the base learns only the rest (the step in progress).
+        waited = queued + stage - predicted - (ahead if depth_ahead <= 0 else 0.0)
+        self._queue.observe(waited, depth_ahead, self._typical_prefill.value)
 
     def _observe_size(self, outcome: Outcome, leg: PrefillLeg) -> None:
         """What a request ahead in a queue costs: this workload's prefill, as predicted (an

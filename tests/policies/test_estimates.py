@@ -145,6 +145,21 @@ def test_a_prefill_behind_placed_work_teaches_its_own_time(seed: int) -> None:
     assert worst_errors(blind, truth, seed)[0] > 0.15
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_wait_for_placed_work_is_no_wait_in_an_empty_queue(seed: int) -> None:
+    """The placement's ledger foresaw these waits (the work ahead of each): what a turn that
+    finds no queue and no work placed ahead waits learns none of them."""
+    truth = Truth()
+    estimates = Estimates.from_presets("h200-sxm", "llama-3.1-8b")
+    rng = random.Random(seed)
+    waits = []
+    for _ in range(400):
+        outcome, leg = behind_placed_work(truth, rng, rng.uniform(0.0, 0.5))
+        estimates.observe(outcome, leg)
+        waits.append(leg.ahead_ms)
+    assert estimates.queue_wait_ms(0) < 0.1 * sum(waits) / len(waits)
+
+
 def test_a_prefill_behind_more_than_its_own_work_teaches_no_roof() -> None:
     estimates, reference = Estimates.from_presets(), Estimates.from_presets()
     rng = random.Random(7)
