@@ -201,10 +201,6 @@ def miss_cause(result: RequestResult, objectives: Objectives = DEFAULT_OBJECTIVE
     return "itl_over" if gaps and percentile(gaps, 99) > objectives.itl_for(result) else None
 
 
-def miss_causes(results: Iterable[RequestResult], objectives: Objectives) -> MissCauses:
-    return _tally(Counter(miss_cause(r, objectives) for r in results))
-
-
 def _tally(causes: Counter[str | None]) -> MissCauses:
     return MissCauses(
         rejected=causes["rejected"],

@@ -22,7 +22,6 @@ from bench.metrics import (
     itl_stats,
     max_goodput_rate,
     miss_cause,
-    miss_causes,
     percentile,
     percentiles,
     read_summary,
@@ -196,8 +195,9 @@ def test_summarise_counts_why_requests_were_not_good() -> None:
     s = summarise(results, "adaptive", 1.0, 4.0, "decode")
     assert s.misses == MissCauses(rejected=2, failed=1, ttft_late=2, ttft_late_foreseen=1,
                                   itl_over=1)  # fmt: skip
-    m = miss_causes(results, Objectives())
-    assert m.rejected + m.failed + m.ttft_late + m.itl_over == s.requests - s.good
+    assert s.misses.rejected + s.misses.failed + s.misses.ttft_late + s.misses.itl_over == (
+        s.requests - s.good
+    )
 
 
 def test_summarise_exact() -> None:
