@@ -84,6 +84,12 @@ class StreamRelay:
             async for data in upstream:
                 if draining:
                     continue
+                if not pending and self._content_only(data):
+                    # the common read: whole content frames, relayed as they came
+                    result.last_token_at = time.monotonic()
+                    result.frames += data.count(_SEP)
+                    await self._downstream.write(data)
+                    continue
                 pending += data
                 if _SEP not in pending:
                     continue
@@ -102,6 +108,18 @@ class StreamRelay:
             result.error = "worker closed the stream before it finished"
         await self._downstream.write(stream_error_frames(502, result.error))
         return result
+
+    def _content_only(self, data: bytes) -> bool:
+        """Whether `data` is whole frames that `_filter` would pass on unchanged, each one a
+        content frame after the first (markers inside a token's text just take the long way)."""
+        if self.result.first_token_at is None or not data.endswith(_SEP):
+            return False
+        # the end marker, an error, a usage frame (either spacing), a role frame, an empty frame
+        return not (
+            b"[DONE]" in data or b'{"error"' in data or b'"choices":[]' in data
+            or b'"choices": []' in data or b'"content":""' in data or b"\n\n\n" in data
+            or data.startswith(b"\n")
+        )  # fmt: skip
 
     def _filter(self, frames: list[bytes]) -> bytes:
         result = self.result

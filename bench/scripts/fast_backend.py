@@ -1,7 +1,8 @@
 """A deliberately fast vLLM-shaped backend for measuring proxy overhead (not a simulator).
 
 Answers /v1/completions and /v1/chat/completions at once with a canned body (with usage), or
-streams `--chunks` frames back to back; serves /health, /v1/models and vLLM load gauges.
+streams `--chunks` frames, back to back or `pace_ms` apart when the body says so; serves
+/health, /v1/models and vLLM load gauges.
 
     python -m bench.scripts.fast_backend --port 9100 --chunks 16
 """
@@ -9,6 +10,7 @@ streams `--chunks` frames back to back; serves /health, /v1/models and vLLM load
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import time
 
@@ -44,6 +46,14 @@ def _busy(seconds: float) -> None:
         pass
 
 
+def _pace_s(body: bytes) -> float:
+    """A stream's gap between frames: the body's `pace_ms` (as a decoding engine's step would
+    space its tokens), else none (frames back to back)."""
+    if b'"pace_ms"' not in body:
+        return 0.0
+    return max(0.0, float(json.loads(body).get("pace_ms") or 0.0)) / 1000
+
+
 def build_app(chunks: int, work_us: float = 0.0) -> web.Application:
     work_s = work_us / 1e6
 
@@ -53,9 +63,12 @@ def build_app(chunks: int, work_us: float = 0.0) -> web.Application:
             _busy(work_s)
         if b'"stream":true' not in body.replace(b" ", b""):
             return web.Response(body=_BODY, content_type="application/json")
+        pace_s = _pace_s(body)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
-        for _ in range(chunks):
+        for index in range(chunks):
+            if pace_s and index:
+                await asyncio.sleep(pace_s)
             await response.write(_CHUNK)
         await response.write(_USAGE_CHUNK + b"data: [DONE]\n\n")
         await response.write_eof()

@@ -3,7 +3,9 @@
 Starts `bench.scripts.fast_backend` and `session-router serve` (embedded Redis: the shared
 state is on), then measures with wrk (non-streaming, 1 and 32 connections) and with a streaming
 client: added p50/p99 latency, requests/s ratio, added streamed TTFT, and each proxy's CPU per
-request and per relayed chunk. Needs `wrk` on PATH (Debian package wrk).
+request and per relayed chunk. Then `--paced-streams` streams at once, each frame `--pace-ms`
+after the last as a decoding engine sends them (one frame per read, as in production): frames
+relayed per second and CPU per relayed frame. Needs `wrk` on PATH (Debian package wrk).
 
 Reference routers run in the same run, against the same backend, with `--reference
 NAME=COMMAND`, where COMMAND may use {port}, {backend} and {aux_port} (a second free port);
@@ -40,6 +42,7 @@ import aiohttp
 from bench.scripts.loadgen import cpu_seconds, free_port, run_wrk, wait_healthy
 
 _BODY = '{"model":"fast","prompt":"hello world","max_tokens":16}'
+_PACED_BODY = '{"model":"fast","prompt":"hello world","max_tokens":16,"stream":true,"pace_ms":%g}'
 _WRK_SCRIPT = """wrk.method = "POST"
 wrk.body = '%s'
 wrk.headers["Content-Type"] = "application/json"
@@ -99,7 +102,32 @@ def _row(name: str, row: dict[str, float]) -> str:
     return f"{name:>22} {row['p50_us']:>8.0f} {row['p99_us']:>8.0f} {row['rps']:>9.0f}"
 
 
-def _measure(args: argparse.Namespace, work_us: float, script: str) -> None:
+def _relay_rates(args: argparse.Namespace, url: str, pid: int, script: str) -> tuple[float, float]:
+    """Frames relayed per second and CPU us per frame of `pid`, over paced concurrent streams."""
+    run_wrk(url + "/v1/completions", args.paced_streams, 2, script)  # the pool grows first
+    cpu_before = cpu_seconds(pid)
+    run = run_wrk(url + "/v1/completions", args.paced_streams, args.duration, script)
+    cpu = cpu_seconds(pid) - cpu_before
+    frames = run["requests"] * (args.chunks + 2)  # the content frames, usage and [DONE]
+    return frames / args.duration, cpu / frames * 1e6
+
+
+def _measure_relay(
+    args: argparse.Namespace, backend: str, proxies: dict[str, str], pids: dict[str, int],
+    backend_pid: int, script: str,
+) -> None:  # fmt: skip
+    """Many streams at once, each frame `--pace-ms` after the last, as a decoding engine sends
+    them: what relaying costs per frame, apart from the per-request work of the runs above."""
+    print(f"\n{args.paced_streams} paced streams at once ({args.chunks} frames, "
+          f"{args.pace_ms:g} ms apart):")  # fmt: skip
+    rate, cpu = _relay_rates(args, backend, backend_pid, script)
+    print(f"{'direct':>22} {rate:>9.0f} frames/s; the backend's CPU {cpu:.1f} us/frame")
+    for name, url in proxies.items():
+        rate, cpu = _relay_rates(args, url, pids[name], script)
+        print(f"{name:>22} {rate:>9.0f} frames/s; CPU {cpu:.1f} us/relayed frame")
+
+
+def _measure(args: argparse.Namespace, work_us: float, script: str, paced: str) -> None:
     backend_port, router_port = free_port(), free_port()
     backend = f"http://127.0.0.1:{backend_port}"
     proxies = {"session-router": f"http://127.0.0.1:{router_port}"}
@@ -115,7 +143,10 @@ def _measure(args: argparse.Namespace, work_us: float, script: str) -> None:
         proxies[name] = f"http://127.0.0.1:{port}"
         aux = free_port()  # e.g. a router's own metrics listener
         commands.append(shlex.split(template.format(port=port, backend=backend, aux_port=aux)))
-    with _processes(commands[:1]) as _, _processes(_after_healthy(backend, commands[1:])) as procs:
+    with (
+        _processes(commands[:1]) as backend_procs,
+        _processes(_after_healthy(backend, commands[1:])) as procs,
+    ):
         pids = {name: procs[i].pid for i, name in enumerate(proxies)}
         for name, url in proxies.items():
             try:
@@ -153,6 +184,8 @@ def _measure(args: argparse.Namespace, work_us: float, script: str) -> None:
                   f"{routed_ttft * 1e6:.0f} us (added {(routed_ttft - direct_ttft) * 1e6:+.0f} "
                   f"us); CPU {cpu / args.streams * 1e6:.0f} us/stream, "
                   f"{cpu / max(1, frames) * 1e6:.1f} us/relayed chunk")  # fmt: skip
+        if args.paced_streams:
+            _measure_relay(args, backend, proxies, pids, backend_procs[0].pid, paced)
 
 
 def main() -> None:
@@ -163,6 +196,14 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=1,
                         help="session ids cycled through (1: every commit coalesces)")  # fmt: skip
     parser.add_argument("--work-us", default="0", help="comma-separated backend CPU per request")
+    parser.add_argument(
+        "--paced-streams",
+        type=int,
+        default=128,
+        help="streams at once in the paced relay run (0: skip it)",
+    )
+    parser.add_argument("--pace-ms", type=float, default=10.0,
+                        help="gap between a paced stream's frames")  # fmt: skip
     parser.add_argument("--reference", action="append", default=[], metavar="NAME=COMMAND",
                         help="another router to measure in the same run")  # fmt: skip
     args = parser.parse_args()
@@ -171,8 +212,10 @@ def main() -> None:
             parser.error(f"--reference wants NAME=COMMAND, got {reference!r}")
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
         script.write(_WRK_SCRIPT % (_BODY, args.sessions))
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as paced:
+        paced.write(_WRK_SCRIPT % (_PACED_BODY % args.pace_ms, args.sessions))
     for work in args.work_us.split(","):
-        _measure(args, float(work), script.name)
+        _measure(args, float(work), script.name, paced.name)
 
 
 if __name__ == "__main__":

@@ -207,9 +207,7 @@ class UpstreamResponse:
 
     async def read(self) -> bytes:
         """The whole body, de-chunked."""
-        parts = []
-        while chunk := await self._next():
-            parts.append(chunk)
+        parts = [chunk async for chunk in self]
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def iter_chunks(self) -> AsyncIterator[bytes]:
@@ -218,12 +216,6 @@ class UpstreamResponse:
 
     def __aiter__(self) -> AsyncIterator[bytes]:
         return self
-
-    async def __anext__(self) -> bytes:
-        chunk = await self._next()
-        if not chunk:
-            raise StopAsyncIteration
-        return chunk
 
     def close(self) -> None:
         """Abandon the response: unless its body was read to the end, close the connection."""
@@ -239,8 +231,8 @@ class UpstreamResponse:
             except RuntimeError:
                 pass  # the event loop is already closed, and the socket with it
 
-    async def _next(self) -> bytes:
-        """The bytes buffered now (waiting for some), or b"" at the end of the body."""
+    async def __anext__(self) -> bytes:
+        """The bytes buffered now (waiting for some); one coroutine per step of a stream."""
         conn = self._conn
         while not self._finished:
             if conn.chunks:
@@ -260,7 +252,7 @@ class UpstreamResponse:
             except asyncio.CancelledError:
                 self.close()
                 raise
-        return b""
+        raise StopAsyncIteration
 
     def _release(self) -> None:
         self._finished = True
