@@ -22,7 +22,7 @@ MIXED_POLICIES: frozenset[str] = frozenset(("colocate",))
 MIXED_BY_DEFAULT: frozenset[str] = frozenset(("adaptive",))
 
 # Policy parameters that describe the hardware; filled from the cluster unless given.
-_HARDWARE_PARAMS = ("gpu", "model", "tp", "chunked_prefill")
+_HARDWARE_PARAMS = ("gpu", "model", "tp", "chunked_prefill", "max_num_seqs")
 
 _CLUSTER = re.compile(r"^(?P<count>\d+)x(?P<gpu>[^/\s]+)/(?P<model>[^/\s]+)$")
 
@@ -81,11 +81,13 @@ def hardware_params(
     given: Mapping[str, str],
     cluster: ClusterSpec,
     chunked_prefill: int | None = None,
+    max_num_seqs: int | None = None,
 ) -> dict[str, object]:
     """`given` plus the cluster's hardware for the hardware parameters a policy declares.
 
-    A policy such as `adaptive` takes the GPU and model as priors; an operator configures them
-    for the cluster it runs on, so the bench does the same. Parameters the user gave win.
+    A policy such as `adaptive` takes the GPU and model as priors, and the engines' chunk size
+    and sequence cap; an operator configures them for the cluster it runs on, so the bench does
+    the same. Parameters the user gave win.
     """
     out: dict[str, object] = dict(given)
     declared = params_type.__struct_fields__ if params_type is not None else ()
@@ -94,6 +96,7 @@ def hardware_params(
         "model": cluster.model,
         "tp": cluster.tp,
         "chunked_prefill": chunked_prefill,
+        "max_num_seqs": max_num_seqs,
     }
     for name in _HARDWARE_PARAMS:
         if name in declared and name not in out and values[name] is not None:

@@ -81,8 +81,9 @@ def plan_runs(
     for name in policies:
         params_type = getattr(type(create_policy(name)), "Params", None)
         merged = hardware_params(
-            params_type, params.get(name, {}), template.cluster, template.chunked_prefill
-        )
+            params_type, params.get(name, {}), template.cluster, template.chunked_prefill,
+            template.max_num_seqs,
+        )  # fmt: skip
         create_policy(name, merged)
         roles = tuple(worker_roles(name, template.cluster.workers, prefill_workers))
         config = msgspec.structs.replace(template, roles=roles)

@@ -175,13 +175,21 @@ class Router:
             await self._refresh_models()
 
     # -- endpoints --------------------------------------------------------------------------
-    async def handle(self, request: Request, writer: StreamWriter) -> Response | None:
-        """The HTTP server's one handler: turns, the OpenAI listing, health, metrics, admin."""
+    def handle(self, request: Request, writer: StreamWriter) -> Awaitable[Response | None]:
+        """The HTTP server's one handler: turns, the OpenAI listing, health, metrics, admin.
+
+        A turn is the pipeline's own coroutine (no wrapper to step through on every resume)."""
+        path = request.path
+        if request.method == "POST" and (
+            path == "/v1/chat/completions" or path == "/v1/completions"
+        ):
+            return self.pipeline.handle(request, writer, chat=path == "/v1/chat/completions")
+        return self._handle_other(request)
+
+    async def _handle_other(self, request: Request) -> Response | None:
         path, method = request.path, request.method
         if path == "/v1/chat/completions" or path == "/v1/completions":
-            if method != "POST":
-                return error_response(405, f"method {method} not allowed")
-            return await self.pipeline.handle(request, writer, chat=path == "/v1/chat/completions")
+            return error_response(405, f"method {method} not allowed")
         self.pipeline.settle()  # what is reported includes every turn already answered
         if path.startswith(Admin.PREFIX):
             return await self.admin.handle(request)

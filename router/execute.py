@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+from collections.abc import Awaitable
 
 from policies.types import (
     Colocate,
@@ -80,26 +81,30 @@ class Executor:
             log.warning("link reservation %s->%s failed", src, dst, exc_info=True)
             return None
 
-    async def _single(self, ctx: TurnContext, worker_id: str) -> Response | None:
+    def _single(self, ctx: TurnContext, worker_id: str) -> Awaitable[Response | None]:
         ctx.served_by = worker_id
         ctx.events.prefill_start = self._clock.now()
-        return await self._legs.relay(ctx, worker_id, ctx.client_payload())
+        return self._legs.relay(ctx, worker_id, ctx.client_payload())
 
     # -- vLLM NIXL: prefill leg, then the decode leg pulls the KV ---------------------------
     async def _handoff(
         self, ctx: TurnContext, prefill: str, decode: str, reservation: Reservation | None
     ) -> Response | None:
-        if self._pool.workers[prefill].spec.engine == "sglang":
-            return await self._handoff_sglang(ctx, prefill, decode, reservation)
+        transfer = _Transfer(self, self._clock, ctx, reservation)
+        try:
+            if self._pool.workers[prefill].spec.engine == "sglang":
+                return await self._handoff_sglang(ctx, prefill, decode, transfer)
+            return await self._handoff_vllm(ctx, prefill, decode, transfer)
+        finally:
+            transfer.release()  # a turn that ended early, however: the reservation goes back
+
+    async def _handoff_vllm(
+        self, ctx: TurnContext, prefill: str, decode: str, transfer: _Transfer
+    ) -> Response | None:
         events = ctx.events
         events.prefill_start = self._clock.now()
-        try:
-            status, raw = await self._prefill_leg(ctx, prefill)
-        except WorkerUnreachable:
-            self._release(reservation, 0, 0.0)
-            raise
+        status, raw = await self._prefill_leg(ctx, prefill)
         if 400 <= status < 500:  # the worker refused the request itself: the client's problem
-            self._release(reservation, 0, 0.0)
             return Response(status, raw, ctx.echo())
         reply = adapters.parse_prefill_reply(raw) if status == 200 else None
         events.prefill_end = self._clock.now()
@@ -121,12 +126,12 @@ class Executor:
         ctx.served_by = decode
         try:
             response = await self._legs.relay(
-                ctx, decode, adapters.encode_body(decode_body), drop_first
+                ctx, decode, adapters.encode_body(decode_body), drop_first, transfer.arrived
             )
         except WorkerUnreachable:
-            self._release(reservation, 0, 0.0)
+            transfer.release()
             return await self._decode_fallback(ctx, decode, drop_first)
-        self._finish_transfer(ctx, reservation)
+        self._finish_transfer(ctx, transfer)
         return response
 
     async def _prefill_leg(self, ctx: TurnContext, prefill: str) -> tuple[int, bytes]:
@@ -153,24 +158,32 @@ class Executor:
             return 502, b""
         return upstream.status, raw
 
-    def _finish_transfer(self, ctx: TurnContext, reservation: Reservation | None) -> None:
+    def _finish_transfer(self, ctx: TurnContext, transfer: _Transfer) -> None:
+        """The transfer's stage fields once the decode leg is done (exact bytes where the usage
+        says); the reservation goes back now unless the first token gave it back already."""
         events = ctx.events
-        first = events.first_token or self._clock.now()
-        start = events.transfer_start or first
-        events.transfer_end = first
-        seconds = max(0.0, first - start)
+        first = transfer.arrived_at or events.first_token or self._clock.now()
+        nbytes, seconds = self.moved(ctx, first)
+        if ctx.reported_transfer is not None or not events.recomputed_tokens:
+            events.transferred_bytes = nbytes
+        events.transfer_end = (events.transfer_start or first) + seconds
+        transfer.release(nbytes, seconds)
+
+    def moved(self, ctx: TurnContext, first: float) -> tuple[int, float]:
+        """(bytes, seconds) the decode leg's KV pull took, up to its first token at `first`."""
+        events = ctx.events
         if ctx.reported_transfer is not None:
-            events.transferred_bytes, seconds = ctx.reported_transfer
-            events.transfer_end = start + seconds
-        elif not events.recomputed_tokens:
-            # Engines do not report what the pull moved: everything the decode worker did not
-            # already hold as this session's resident prefix.
-            prompt = ctx.usage.prompt_tokens if ctx.usage else ctx.turn.prompt_tokens
-            resident = (
-                ctx.record.tokens if ctx.record and ctx.record.worker_id == ctx.served_by else 0
-            )
-            events.transferred_bytes = max(0, prompt - resident) * self._config.kv_bytes_per_token
-        self._release(reservation, events.transferred_bytes, seconds)
+            return ctx.reported_transfer
+        start = events.transfer_start or first
+        seconds = first - start if first > start else 0.0
+        if events.recomputed_tokens:
+            return 0, seconds
+        # Engines do not report what the pull moved: everything the decode worker did not
+        # already hold as this session's resident prefix.
+        prompt = ctx.usage.prompt_tokens if ctx.usage else ctx.turn.prompt_tokens
+        record = ctx.record
+        resident = record.tokens if record and record.worker_id == ctx.served_by else 0
+        return max(0, prompt - resident) * self._config.kv_bytes_per_token, seconds
 
     async def _decode_fallback(
         self, ctx: TurnContext, failed: str, drop_first: bool
@@ -194,7 +207,7 @@ class Executor:
 
     # -- SGLang bootstrap: both legs at once, the prefill answer drained -------------------
     async def _handoff_sglang(
-        self, ctx: TurnContext, prefill: str, decode: str, reservation: Reservation | None
+        self, ctx: TurnContext, prefill: str, decode: str, transfer: _Transfer
     ) -> Response | None:
         spec = self._pool.workers[prefill].spec
         host = spec.base_url.split("://", 1)[1].rsplit(":", 1)[0]
@@ -209,13 +222,14 @@ class Executor:
         drain.add_done_callback(self._drains.discard)
         ctx.served_by = decode
         try:
-            response = await self._legs.relay(ctx, decode, adapters.encode_body(decode_body))
+            response = await self._legs.relay(
+                ctx, decode, adapters.encode_body(decode_body), on_first_token=transfer.arrived
+            )
         except BaseException:
             drain.cancel()
-            self._release(reservation, 0, 0.0)
             raise
         ctx.events.prefill_end = self._clock.now()
-        self._finish_transfer(ctx, reservation)
+        self._finish_transfer(ctx, transfer)
         return response
 
     async def _drain(self, worker_id: str, ctx: TurnContext, payload: bytes) -> None:
@@ -226,6 +240,33 @@ class Executor:
             except UpstreamError:
                 self._legs.on_upstream_error(worker_id, "prefill_leg")
 
-    def _release(self, reservation: Reservation | None, nbytes: int, seconds: float) -> None:
+    def release(self, reservation: Reservation, nbytes: int, seconds: float) -> None:
+        """Give a link reservation back with the bytes and seconds its transfer took."""
+        self._state.release(reservation, nbytes, seconds)
+
+
+class _Transfer:
+    """A handoff's link reservation, given back once: at the decode leg's first token, which
+    shows the KV has arrived (from then on its bytes load the link no more, however long the
+    answer decodes), else when the turn ends or fails."""
+
+    __slots__ = ("_clock", "_ctx", "_executor", "arrived_at", "reservation")
+
+    def __init__(
+        self, executor: Executor, clock: StageClock, ctx: TurnContext,
+        reservation: Reservation | None,
+    ) -> None:  # fmt: skip
+        self._executor, self._clock, self._ctx = executor, clock, ctx
+        self.reservation = reservation
+        self.arrived_at: float | None = None
+
+    def arrived(self) -> None:
+        """The decode leg's first token: the reservation goes back with what the pull took."""
+        if self.arrived_at is None:
+            self.arrived_at = now = self._clock.now()
+            self.release(*self._executor.moved(self._ctx, now))
+
+    def release(self, nbytes: int = 0, seconds: float = 0.0) -> None:
+        reservation, self.reservation = self.reservation, None
         if reservation is not None:
-            self._state.release(reservation, nbytes, seconds)
+            self._executor.release(reservation, nbytes, seconds)

@@ -8,7 +8,7 @@ error event and `data: [DONE]`.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,15 +108,22 @@ class LegRunner:
         self._clock = clock
         self.on_upstream_error = on_upstream_error
 
-    async def send(self, ctx: TurnContext, worker_id: str, payload: bytes) -> UpstreamResponse:
-        """Send a leg and wait for the worker's status line (connection errors propagate)."""
-        return await self.pool.upstream.request(
+    def send(self, ctx: TurnContext, worker_id: str, payload: bytes) -> Awaitable[UpstreamResponse]:
+        """Send a leg; awaited, the worker's status line (connection errors propagate)."""
+        return self.pool.upstream.request(
             self.pool.url(worker_id), "POST", ctx.path, ctx.headers, payload
         )
 
     async def relay(
-        self, ctx: TurnContext, worker_id: str, payload: bytes, drop_first: bool = False
+        self,
+        ctx: TurnContext,
+        worker_id: str,
+        payload: bytes,
+        drop_first: bool = False,
+        on_first_token: Callable[[], None] | None = None,
     ) -> Response | None:
+        """The leg's answer to the client; a stream calls `on_first_token` at its first
+        content frame (a whole reply is all there when this returns)."""
         with self.inflight(worker_id):
             try:
                 upstream = await self.send(ctx, worker_id, payload)
@@ -133,7 +140,7 @@ class LegRunner:
                     seconds = float(upstream.headers.get("x-kv-transfer-ms", "0")) / 1000
                     ctx.reported_transfer = (int(moved), seconds)
                 if ctx.fields.stream:
-                    await self._relay_stream(ctx, worker_id, upstream, drop_first)
+                    await self._relay_stream(ctx, worker_id, upstream, drop_first, on_first_token)
                     return None
                 body = await upstream.read()
             except UpstreamError as exc:
@@ -150,11 +157,13 @@ class LegRunner:
         return Response(200, body, ctx.echo())
 
     async def _relay_stream(
-        self, ctx: TurnContext, worker_id: str, upstream: UpstreamResponse, drop_first: bool
-    ) -> None:
+        self, ctx: TurnContext, worker_id: str, upstream: UpstreamResponse, drop_first: bool,
+        on_first_token: Callable[[], None] | None,
+    ) -> None:  # fmt: skip
         writer = await self.prepare(ctx)
         relay = StreamRelay(writer, forward_usage=ctx.fields.wants_usage,
-                            drop_first_content=drop_first)  # fmt: skip
+                            drop_first_content=drop_first,
+                            on_first_content=on_first_token)  # fmt: skip
         result = await relay.run(upstream)
         self._stamp(ctx, result)
         if result.error is not None:

@@ -8,6 +8,7 @@ client did not ask for usage), the end marker, and, once, the first content fram
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -67,9 +68,14 @@ class StreamRelay:
     """Copies one upstream SSE stream to an already prepared client response."""
 
     def __init__(
-        self, downstream: StreamWriter, forward_usage: bool, drop_first_content: bool = False
+        self,
+        downstream: StreamWriter,
+        forward_usage: bool,
+        drop_first_content: bool = False,
+        on_first_content: Callable[[], None] | None = None,
     ) -> None:
         self._downstream = downstream
+        self._on_first_content = on_first_content
         self._forward_usage = forward_usage
         self._drop_first_content = drop_first_content
         # with the prefill leg's token already sent, its role frame was sent too
@@ -144,6 +150,8 @@ class StreamRelay:
                 now = time.monotonic()
                 if result.first_token_at is None:
                     result.first_token_at = now
+                    if self._on_first_content is not None:
+                        self._on_first_content()
                     if self._drop_first_content:
                         # The prefill leg's token was already sent: skip the decode leg's copy.
                         self._drop_first_content = False

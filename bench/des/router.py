@@ -12,8 +12,10 @@ calibrates it). Execution:
 - handoff: a handoff reservation of prompt x KV bytes; the prefill leg (max_tokens 1, blocks
   held); then the decode leg, whose worker pulls what its prefix cache lacks over the fabric,
   frees the held blocks and decodes; `first_token` "prefill" streams the prefill leg's token
-  at once and drops the decode leg's first one; the reservation is released when the decode
-  leg ends, with the pull's bytes and seconds (the link's observed rate learns from them);
+  at once and drops the decode leg's first one; the reservation is released when the pull
+  ends (as the live router releases it at the decode leg's first token: from then on the
+  bytes load the link no more, however long the answer decodes), with the pull's bytes and
+  seconds (the link's observed rate learns from them);
 - migrate: a migration reservation of the resident bytes; admitted, it runs as a handoff from
   the source; deferred, as a colocate on the source;
 - reject: 429 at once.
@@ -272,6 +274,7 @@ class SimRouter:
         flight: Flight = leg.owner
         assert flight.held is not None
         flight.reported = (flight.pull_bytes, self._clock.now() - flight.pull_started)
+        self._release(flight, *flight.reported)
         self._cluster.release_held(*flight.held)
         self._submit(leg, flight.req.max_tokens, flight.preload, hold=False)
 
@@ -300,9 +303,9 @@ class SimRouter:
             if events.first_token is None:
                 events.first_token = chunks[0]
             events.last_token = chunks[-1]
-        if flight.reservation is not None:
+        if events.transfer_start is not None:  # a handoff's decode leg: what the pull took
             first = events.first_token if events.first_token is not None else now
-            start = events.transfer_start if events.transfer_start is not None else first
+            start = events.transfer_start
             events.transfer_end = first
             seconds = max(0.0, first - start)
             if flight.reported is not None:

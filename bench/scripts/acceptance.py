@@ -239,6 +239,14 @@ def _parser() -> argparse.ArgumentParser:
     add("--limit", type=int, default=1500, help="at least this many turns of each trace")
     add("--span-s", type=float, default=30.0, help="seconds of arrivals each probe replays")
     add("--cluster", default="8xh200-sxm/llama-3.1-8b")
+    add(
+        "--chunked-prefill",
+        type=int,
+        metavar="N",
+        help="engines chunk prefills at N tokens a step (vLLM V1 on an H200: 8192); default off",
+    )
+    add("--max-num-batched-tokens", type=int, default=8192, help="engines' token budget a step")
+    add("--max-num-seqs", type=int, default=256, help="engines' running requests at most")
     add("--splits", type=ints, default=(1, 2, 3, 4), help="disaggregate prefill workers")
     add("--thresholds", type=ints, default=(256, 1024, 4096, 16384))
     add("--prompts", type=ints, default=(512, 4096, 16384), help="matrix prompt tokens")
@@ -291,7 +299,11 @@ def reused(path: Path, remeasure: str) -> dict[str, dict[str, Measured]]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     cluster = ClusterSpec.parse(args.cluster)
-    template = SimConfig(cluster=cluster, roles=tuple(worker_roles("colocate", cluster.workers)))
+    template = SimConfig(
+        cluster=cluster, roles=tuple(worker_roles("colocate", cluster.workers)),
+        chunked_prefill=args.chunked_prefill, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )  # fmt: skip
     workloads = workloads_of(args)
     started = time.monotonic()
 
@@ -309,6 +321,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"Discrete-event simulator, {cluster}: colocate and adaptive on {cluster.workers} mixed "
         "workers, the others (and adaptive (fixed split), not judged) on K prefill + the rest "
         f"decode workers (K = {default_prefill_workers(cluster.workers)} unless named).",
+        f"Engines: at most {args.max_num_seqs} running requests and "
+        f"{args.max_num_batched_tokens} tokens a step; chunked prefill "
+        f"{args.chunked_prefill or 'off'}.",
         f"Each probe replays {args.span_s:g} s of scaled arrivals: trace turns (at least "
         f"{args.limit}); matrix sessions (at least {args.class_turns} turns a class; Poisson, "
         f"{args.session_rate:g}/s at scale 1; think {args.think_s:g} s; seed {args.seed}).",

@@ -97,8 +97,10 @@ def test_cluster_spec_rejects(text: str) -> None:
 
 def test_hardware_params_fill_what_the_policy_declares_and_the_user_left_out() -> None:
     cluster = ClusterSpec(4, "h100-sxm", "llama-3.1-70b", tp=2)
-    filled = hardware_params(AdaptiveParams, {"model": "llama-3.1-8b"}, cluster, 512)
-    assert filled == {"model": "llama-3.1-8b", "gpu": "h100-sxm", "tp": 2, "chunked_prefill": 512}
+    filled = hardware_params(AdaptiveParams, {"model": "llama-3.1-8b"}, cluster, 512, 1024)
+    assert filled == {"model": "llama-3.1-8b", "gpu": "h100-sxm", "tp": 2, "chunked_prefill": 512,
+                      "max_num_seqs": 1024}  # fmt: skip
+    assert "max_num_seqs" not in hardware_params(AdaptiveParams, {}, cluster)
     assert hardware_params(None, {"threshold": "9"}, cluster) == {"threshold": "9"}
 
 

@@ -252,6 +252,40 @@ def test_a_handoff_reserves_only_the_kv_its_decode_worker_lacks(
     assert second.prompt_tokens - held < pulled <= second.prompt_tokens - held + 16
 
 
+class LinkWatcher:
+    """disaggregate, writing down the reserved bytes on its links at every decision."""
+
+    name = "link-watcher"
+    Params = NoParams
+
+    def __init__(self) -> None:
+        self._policy = create_policy("disaggregate")
+        self.reserved: list[tuple[float, int]] = []
+
+    def decide(self, turn: Turn, view: ClusterView) -> Decision:
+        self.reserved.append((view.now_s, sum(link.reserved_bytes for link in view.links)))
+        return self._policy.decide(turn, view)
+
+    def observe(self, outcome: Outcome) -> None:
+        self._policy.observe(outcome)
+
+
+def test_a_handoff_gives_its_link_reservation_back_when_the_pull_ends() -> None:
+    # The first turn's KV has crossed the link long before its 400-token answer ends: a turn
+    # arriving meanwhile sees the link free (its bytes no longer load it).
+    trace = Trace("t", (
+        Conversation("long", (TraceTurn(0.0, 4000, 400),)),
+        Conversation("later", (TraceTurn(1.0, 300, 4),)),
+    ))  # fmt: skip
+    watcher = LinkWatcher()
+    result = simulate(trace, watcher, config(("prefill", "decode")))
+    first = next(r for r in result.results if r.session_id == "long")
+    assert first.first_chunk_at is not None and first.done_at is not None
+    assert first.first_chunk_at < 1.0 < first.done_at  # still decoding when "later" arrives
+    assert watcher.reserved == [(0.0, 0), (1.0, 0)]
+    assert first.transferred_bytes == first.prompt_tokens * KV_BYTES  # still reported
+
+
 @pytest.mark.parametrize(
     ("residency", "worker", "prompt", "moved"),
     [

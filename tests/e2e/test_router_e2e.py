@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 
 import aiohttp
@@ -187,6 +188,37 @@ async def test_replicas_see_each_others_in_flight_counts_and_link_reservations(
     assert response.status == 200 and usage["completion_tokens"] == 4
     assert reserved >= 800 * 131072  # the first replica's handoff, seen by the second
     assert inflight >= 1
+
+
+async def test_a_handoff_gives_its_link_reservation_back_at_the_first_token(
+    start_router: StartRouter,
+) -> None:
+    # The KV has arrived when the decode leg's first token does: from then on the handoff's
+    # bytes load the link no more, however long its answer streams.
+    cluster = start_sim_cluster(2)
+    prefill, decode = cluster.urls
+    router = start_router("--prefill", prefill, "--decode", decode, "--policy", "disaggregate")
+    messages = [{"role": "user", "content": " ".join(f"w{i}" for i in range(800))}]
+    body = {"messages": messages, "max_tokens": 300, "stream": True}
+    link = f'src="{worker_id(prefill)}"'
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(router.url + "/v1/chat/completions", json=body) as response:
+                async for line in response.content:
+                    if line.startswith(b"data: {") and json.loads(line[6:])["choices"][0][
+                        "delta"
+                    ].get("content"):
+                        break  # the first token
+                reserved = await metric_sum(http, router.url, "router_link_reserved_bytes", link)
+                streaming = await metric_sum(http, router.url, "router_inflight")
+                rest = [line async for line in response.content if line.startswith(b"data: ")]
+            transferred = await metric_sum(http, router.url, "router_transfer_bytes_total")
+    finally:
+        cluster.process.stop()
+    assert streaming == 1.0  # the answer was still streaming
+    assert reserved == 0.0
+    assert rest[-1].strip() == b"data: [DONE]"
+    assert transferred >= 800 * 131072  # the pull is still accounted for
 
 
 async def test_completions_endpoint_streams_and_answers_through_the_router(
