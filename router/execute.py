@@ -90,7 +90,7 @@ class Executor:
     async def _handoff(
         self, ctx: TurnContext, prefill: str, decode: str, reservation: Reservation | None
     ) -> Response | None:
-        transfer = _Transfer(self, self._clock, ctx, reservation)
+        transfer = _Transfer(self, self._state, self._clock, ctx, reservation)
         try:
             if self._pool.workers[prefill].spec.engine == "sglang":
                 return await self._handoff_sglang(ctx, prefill, decode, transfer)
@@ -164,8 +164,7 @@ class Executor:
         events = ctx.events
         first = transfer.arrived_at or events.first_token or self._clock.now()
         nbytes, seconds = self.moved(ctx, first)
-        if ctx.reported_transfer is not None or not events.recomputed_tokens:
-            events.transferred_bytes = nbytes
+        events.transferred_bytes = nbytes
         events.transfer_end = (events.transfer_start or first) + seconds
         transfer.release(nbytes, seconds)
 
@@ -240,23 +239,19 @@ class Executor:
             except UpstreamError:
                 self._legs.on_upstream_error(worker_id, "prefill_leg")
 
-    def release(self, reservation: Reservation, nbytes: int, seconds: float) -> None:
-        """Give a link reservation back with the bytes and seconds its transfer took."""
-        self._state.release(reservation, nbytes, seconds)
-
 
 class _Transfer:
     """A handoff's link reservation, given back once: at the decode leg's first token, which
     shows the KV has arrived (from then on its bytes load the link no more, however long the
     answer decodes), else when the turn ends or fails."""
 
-    __slots__ = ("_clock", "_ctx", "_executor", "arrived_at", "reservation")
+    __slots__ = ("_clock", "_ctx", "_executor", "_state", "arrived_at", "reservation")
 
     def __init__(
-        self, executor: Executor, clock: StageClock, ctx: TurnContext,
+        self, executor: Executor, state: SharedState, clock: StageClock, ctx: TurnContext,
         reservation: Reservation | None,
     ) -> None:  # fmt: skip
-        self._executor, self._clock, self._ctx = executor, clock, ctx
+        self._executor, self._state, self._clock, self._ctx = executor, state, clock, ctx
         self.reservation = reservation
         self.arrived_at: float | None = None
 
@@ -271,6 +266,6 @@ class _Transfer:
         if reservation is None:
             return
         try:
-            self._executor.release(reservation, nbytes, seconds)
+            self._state.release(reservation, nbytes, seconds)
         except Exception:  # the ledger is advisory: never fail a turn on it (the lease ends it)
             log.warning("releasing link reservation %s failed", reservation.id, exc_info=True)
