@@ -13,9 +13,10 @@ calibrates it). Execution:
   held); then the decode leg, whose worker pulls what its prefix cache lacks over the fabric,
   frees the held blocks and decodes; `first_token` "prefill" streams the prefill leg's token
   at once and drops the decode leg's first one; the reservation is released when the pull
-  ends (as the live router releases it at the decode leg's first token: from then on the
-  bytes load the link no more, however long the answer decodes), with the pull's bytes and
-  seconds (the link's observed rate learns from them);
+  ends, or when the decode leg goes out with nothing to pull (as the live router releases it
+  at the decode leg's first token: from then on the bytes load the link no more, however
+  long the answer decodes), with the pull's bytes and seconds (the link's observed rate
+  learns from them);
 - migrate: a migration reservation of the resident bytes; admitted, it runs as a handoff from
   the source; deferred, as a colocate on the source;
 - reject: 429 at once.
@@ -257,11 +258,15 @@ class SimRouter:
         engine = self._cluster.engine(leg.worker)
         held = flight.held
         if held is None or engine.validate(len(req.prompt), req.max_tokens) is not None:
-            self._submit(leg, req.max_tokens, 0, hold=False)  # a 400 ends the turn there
+            # nothing to pull: the link is not needed (a 400 ends the turn there)
+            start = flight.events.transfer_start
+            self._release(flight, 0, self._clock.now() - start if start is not None else 0.0)
+            self._submit(leg, req.max_tokens, 0, hold=False)
             return
         held_tokens = self._cluster.held_tokens(*held)
         if held_tokens is None:  # expired before the pull: the worker prefills locally
             flight.reported = (0, 0.0)
+            self._release(flight, *flight.reported)
             self._submit(leg, req.max_tokens, 0, hold=False)
             return
         hit = engine.cached_prefix_tokens(req.prompt, self._block_hashes(req))
@@ -307,11 +312,9 @@ class SimRouter:
             first = events.first_token if events.first_token is not None else now
             start = events.transfer_start
             events.transfer_end = first
-            seconds = max(0.0, first - start)
             if flight.reported is not None:
                 events.transferred_bytes, seconds = flight.reported
                 events.transfer_end = start + seconds
-            self._release(flight, events.transferred_bytes, seconds)
         events.prompt_tokens = stats.prompt_tokens
         events.cached_tokens = stats.cached_tokens
         events.completion_tokens = stats.completion_tokens
