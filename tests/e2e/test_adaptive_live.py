@@ -46,9 +46,11 @@ async def test_bursty_multi_turn_load_gets_colocate_handoff_and_migrate(
     try:
         async with aiohttp.ClientSession() as http:
             # Whether a burst builds a queue worth migrating away from depends on timing on a
-            # loaded machine (a burst migrates 0-2 turns): further bursts of new sessions,
-            # until every action has shown.
-            for burst in range(8):
+            # loaded machine (a burst migrates 0-2 turns; with handoff reservations given back
+            # at the first token, handoffs through the prefill worker, which holds the sessions'
+            # prefixes, often cost less): further bursts of new sessions, until every action
+            # has shown.
+            for burst in range(20):
                 await asyncio.gather(*(conversation(http, 24 * burst + i) for i in range(24)))
                 _, decisions = await admin_get(http, router.url, router.admin_token,
                                                "/admin/decisions?limit=1000")  # fmt: skip
