@@ -148,7 +148,8 @@ def blend(factor: float, target: float, rate: float) -> float:
 
 def queue_ahead(worker: WorkerView) -> int:
     """The requests a turn sent to `worker` now queues behind: those its last scrape saw
-    waiting, plus the router's legs in flight there that the scrape has not counted yet."""
+    waiting, plus the router's legs in flight there that the scrape has not counted yet,
+    less those of either that have begun answering since (`started_since_scrape`)."""
     unseen = worker.inflight - worker.running - worker.waiting
-    depth = worker.waiting + (unseen if unseen > 0 else 0)
+    depth = worker.waiting + (unseen if unseen > 0 else 0) - worker.started_since_scrape
     return depth if depth > 0 else 0

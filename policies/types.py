@@ -48,6 +48,10 @@ class WorkerView(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     waiting: int = 0
     kv_usage: float = 0.0
     inflight: int = 0
+    # Of `inflight`, this router's requests that began answering since the last scrape (their
+    # first token is out, or they are decode legs bringing their KV): that scrape counted
+    # them waiting, or not at all, but none of them queues a prefill there any more.
+    started_since_scrape: int = 0
     draining: bool = False
     node: str = ""
     scraped_age_s: float = 0.0

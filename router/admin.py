@@ -85,6 +85,7 @@ class Admin:
                 "engine": state.spec.engine, "healthy": state.healthy,
                 "draining": state.draining, "inflight": state.inflight,
                 "fleet_inflight": fleet.get(worker_id, 0),
+                "started_since_scrape": state.started_since_scrape,
                 "load": state.load, "models": state.models,
             })  # fmt: skip
         return _json({"workers": rows})

@@ -126,8 +126,9 @@ class Executor:
         ctx.served_by = decode
         try:
             response = await self._legs.relay(
-                ctx, decode, adapters.encode_body(decode_body), drop_first, transfer.arrived
-            )
+                ctx, decode, adapters.encode_body(decode_body), drop_first, transfer.arrived,
+                brings_kv=params is not None,
+            )  # fmt: skip
         except WorkerUnreachable:
             transfer.release()
             return await self._decode_fallback(ctx, decode, drop_first)
@@ -222,8 +223,9 @@ class Executor:
         ctx.served_by = decode
         try:
             response = await self._legs.relay(
-                ctx, decode, adapters.encode_body(decode_body), on_first_token=transfer.arrived
-            )
+                ctx, decode, adapters.encode_body(decode_body), on_first_token=transfer.arrived,
+                brings_kv=True,
+            )  # fmt: skip
         except BaseException:
             drain.cancel()
             raise

@@ -121,10 +121,14 @@ class LegRunner:
         payload: bytes,
         drop_first: bool = False,
         on_first_token: Callable[[], None] | None = None,
+        brings_kv: bool = False,
     ) -> Response | None:
         """The leg's answer to the client; a stream calls `on_first_token` at its first
-        content frame (a whole reply is all there when this returns)."""
-        with self.inflight(worker_id):
+        content frame (a whole reply is all there when this returns). `brings_kv`: a decode
+        leg pulling its prompt's KV, which queues no prefill on the worker."""
+        with self.inflight(worker_id) as inflight:
+            if brings_kv:
+                inflight.begin()
             try:
                 upstream = await self.send(ctx, worker_id, payload)
             except UpstreamError as exc:
@@ -140,7 +144,9 @@ class LegRunner:
                     seconds = float(upstream.headers.get("x-kv-transfer-ms", "0")) / 1000
                     ctx.reported_transfer = (int(moved), seconds)
                 if ctx.fields.stream:
-                    await self._relay_stream(ctx, worker_id, upstream, drop_first, on_first_token)
+                    await self._relay_stream(
+                        ctx, worker_id, upstream, drop_first, _both(inflight.begin, on_first_token)
+                    )
                     return None
                 body = await upstream.read()
             except UpstreamError as exc:
@@ -210,19 +216,44 @@ class LegRunner:
         return _Inflight(self.pool, self._state, worker_id)
 
 
+def _both(first: Callable[[], None], then: Callable[[], None] | None) -> Callable[[], None]:
+    if then is None:
+        return first
+
+    def both() -> None:
+        first()
+        then()
+
+    return both
+
+
 class _Inflight:
     """Counts a request on a worker, locally (router_inflight reads it) and in the fleet's
-    shared in-flight ledger."""
+    shared in-flight ledger; and, once it begins answering, among the worker's requests
+    started since its last scrape (`WorkerState.started_since_scrape`)."""
 
-    __slots__ = ("_state", "_worker", "_worker_id")
+    __slots__ = ("_began", "_state", "_worker", "_worker_id")
 
     def __init__(self, pool: WorkerPool, state: SharedState, worker_id: str) -> None:
         self._worker, self._state, self._worker_id = pool.workers[worker_id], state, worker_id
+        self._began = -1  # the scrape epoch it began answering in
 
-    def __enter__(self) -> None:
+    def __enter__(self) -> _Inflight:
         self._worker.inflight += 1
         self._state.add_inflight(self._worker_id, 1)
+        return self
+
+    def begin(self) -> None:
+        """It began answering (its first token; a decode leg bringing its KV, at once): it
+        queues no prefill there any more, whatever the last scrape saw."""
+        if self._began < 0:
+            worker = self._worker
+            self._began = worker.scrape_epoch
+            worker.started_since_scrape += 1
 
     def __exit__(self, *exc: object) -> None:
-        self._worker.inflight -= 1
+        worker = self._worker
+        worker.inflight -= 1
+        if self._began == worker.scrape_epoch:  # no scrape since it began: counted still
+            worker.started_since_scrape -= 1
         self._state.add_inflight(self._worker_id, -1)

@@ -25,6 +25,10 @@ class WorkerState:
     draining: bool = False
     inflight: int = 0  # this replica's own requests on the worker now
     models: tuple[str, ...] = ()
+    # Of `inflight`, those that began answering since the last scrape (`scrape_epoch` counts
+    # the scrapes): `WorkerView.started_since_scrape`.
+    started_since_scrape: int = 0
+    scrape_epoch: int = 0
 
 
 class WorkerPool:
@@ -95,6 +99,8 @@ class WorkerPool:
             self._healthy_count = sum(1 for s in self.workers.values() if s.healthy)
         if load is not None:
             state.load = load
+            state.scrape_epoch += 1
+            state.started_since_scrape = 0
 
     def healthy_count(self) -> int:
         return self._healthy_count
@@ -124,6 +130,7 @@ class WorkerPool:
                     waiting=load.waiting if load else 0,
                     kv_usage=load.kv_usage if load else 0.0,
                     inflight=max(state.inflight, fleet_inflight.get(worker_id, 0)),
+                    started_since_scrape=state.started_since_scrape,
                     draining=state.draining,
                     node=state.spec.node,
                     scraped_age_s=max(0.0, now - load.scraped_at) if load else 0.0,

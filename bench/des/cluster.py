@@ -42,14 +42,28 @@ class Leg:
     session resends the answer), else it is None and nothing is copied.
     """
 
-    __slots__ = ("chunks", "engine_id", "on_finish", "owner", "tokens", "worker")
+    __slots__ = (
+        "chunks",
+        "engine_id",
+        "on_finish",
+        "on_first",
+        "owner",
+        "started",
+        "tokens",
+        "worker",
+    )
 
     def __init__(
-        self, owner: Any, worker: int, on_finish: FinishCallback, keep_tokens: bool = False
-    ) -> None:
+        self, owner: Any, worker: int, on_finish: FinishCallback, keep_tokens: bool = False,
+        on_first: Callable[[Leg], None] | None = None,
+    ) -> None:  # fmt: skip
         self.owner = owner
         self.worker = worker
         self.on_finish = on_finish
+        # Called once, at its first token (then set to None).
+        self.on_first = on_first
+        # The scrape epoch in which it began answering (`ViewBuilder.begin`), else -1.
+        self.started = -1
         self.engine_id = ""
         self.chunks: list[float] = []
         self.tokens: list[int] | None = [] if keep_tokens else None
@@ -177,6 +191,9 @@ class Cluster:
             for request_id, token_ids, reason, stats in outputs:
                 leg = legs[request_id]
                 if token_ids:
+                    if leg.on_first is not None:
+                        leg.on_first(leg)
+                        leg.on_first = None
                     leg.chunks.append(now)
                     if leg.tokens is not None:
                         leg.tokens += token_ids
@@ -254,6 +271,9 @@ class Cluster:
         legs = self.legs
         for request_id, token_ids in outputs:
             leg = legs[request_id]
+            if leg.on_first is not None and times:
+                leg.on_first(leg)
+                leg.on_first = None
             leg.chunks += times
             if leg.tokens is not None:
                 leg.tokens += token_ids

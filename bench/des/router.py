@@ -187,7 +187,7 @@ class SimRouter:
         flight.served_by = worker
         flight.events.prefill_start = now
         self.views.inflight[worker] += 1
-        leg = Leg(flight, worker, self._single_done, flight.req.keep_answer)
+        leg = Leg(flight, worker, self._single_done, flight.req.keep_answer, self.views.begin)
         self._loop.at(now + self._overhead, self._send_single, leg)
 
     def _send_single(self, leg: Leg) -> None:
@@ -195,6 +195,7 @@ class SimRouter:
 
     def _single_done(self, leg: Leg, reason: str, stats: RequestStats, now: float) -> None:
         self.views.inflight[leg.worker] -= 1
+        self.views.unbegin(leg)
         self._complete(leg.owner, leg.chunks, leg.tokens, stats, now)
 
     def _submit(self, leg: Leg, max_tokens: int, preload: int, hold: bool) -> bool:
@@ -211,6 +212,7 @@ class SimRouter:
         if problem is None:
             return True
         self.views.inflight[leg.worker] -= 1
+        self.views.unbegin(leg)
         self._release(flight, 0, 0.0)
         self._end(flight, "error", 400, problem, self._clock.now())
         return False
@@ -227,7 +229,7 @@ class SimRouter:
         flight.events.prefill_start = now
         self.views.inflight[prefill] += 1
         keep = self._prefill_first and flight.req.keep_answer
-        leg = Leg(flight, prefill, self._prefill_done, keep)
+        leg = Leg(flight, prefill, self._prefill_done, keep, self.views.begin)
         self._loop.at(now + self._overhead, self._send_prefill, leg)
 
     def _send_prefill(self, leg: Leg) -> None:
@@ -236,6 +238,7 @@ class SimRouter:
     def _prefill_done(self, leg: Leg, reason: str, stats: RequestStats, now: float) -> None:
         flight: Flight = leg.owner
         self.views.inflight[leg.worker] -= 1
+        self.views.unbegin(leg)
         events = flight.events
         events.prefill_end = now
         if stats.held_blocks:
@@ -250,6 +253,10 @@ class SimRouter:
         flight.served_by = decode
         self.views.inflight[decode] += 1
         decode_leg = Leg(flight, decode, self._decode_done, flight.req.keep_answer)
+        if stats.held_blocks:
+            self.views.begin(decode_leg)  # it brings its KV: it queues no prefill there
+        else:
+            decode_leg.on_first = self.views.begin
         self._loop.at(now + self._overhead, self._send_decode, decode_leg)
 
     def _send_decode(self, leg: Leg) -> None:
@@ -261,12 +268,14 @@ class SimRouter:
             # nothing to pull: the link is not needed (a 400 ends the turn there)
             start = flight.events.transfer_start
             self._release(flight, 0, self._clock.now() - start if start is not None else 0.0)
+            self._prefills_itself(leg)
             self._submit(leg, req.max_tokens, 0, hold=False)
             return
         held_tokens = self._cluster.held_tokens(*held)
         if held_tokens is None:  # expired before the pull: the worker prefills locally
             flight.reported = (0, 0.0)
             self._release(flight, *flight.reported)
+            self._prefills_itself(leg)
             self._submit(leg, req.max_tokens, 0, hold=False)
             return
         hit = engine.cached_prefix_tokens(req.prompt, self._block_hashes(req))
@@ -274,6 +283,11 @@ class SimRouter:
         flight.pull_bytes = max(0, flight.preload - hit) * self._kv_bytes
         flight.pull_started = self._clock.now()
         self._cluster.transfer(held[0], leg.worker, flight.pull_bytes, self._pulled, leg)
+
+    def _prefills_itself(self, leg: Leg) -> None:
+        """The decode leg has no KV to pull after all: it queues as a prefill until it answers."""
+        self.views.unbegin(leg)
+        leg.on_first = self.views.begin
 
     def _pulled(self, leg: Leg) -> None:
         flight: Flight = leg.owner
@@ -286,6 +300,7 @@ class SimRouter:
     def _decode_done(self, leg: Leg, reason: str, stats: RequestStats, now: float) -> None:
         flight: Flight = leg.owner
         self.views.inflight[leg.worker] -= 1
+        self.views.unbegin(leg)
         chunks, answer = leg.chunks, leg.tokens
         if flight.first_at is not None:  # the decode leg's first token is the one already sent
             chunks = [flight.first_at, *chunks[1:]]

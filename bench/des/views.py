@@ -7,7 +7,7 @@ counts are current (the router counts its own legs). Links come from the reserva
 
 from __future__ import annotations
 
-from bench.des.cluster import Cluster
+from bench.des.cluster import Cluster, Leg
 from bench.des.config import SimConfig
 from bench.des.ledger import LinkLedger
 from bench.des.loop import EventLoop
@@ -25,6 +25,9 @@ class ViewBuilder:
         self._loop: EventLoop | None = None
         count = len(self._ids)
         self.inflight = [0] * count  # legs in flight per worker (the proxy's _Inflight)
+        # Of those, the legs that began answering since the last scrape (`epoch`).
+        self.started_since_scrape = [0] * count
+        self.epoch = 0
         self._loads: list[tuple[int, int, float]] = [(0, 0, 0.0)] * count
         self._scraped_at: float | None = None
 
@@ -46,10 +49,25 @@ class ViewBuilder:
         self._loads = [load(i) for i in range(len(self._ids))]
         now = self._loop.now()
         self._scraped_at = now
+        self.epoch += 1
+        self.started_since_scrape = [0] * len(self._ids)
         self._loop.at(now + self._interval, self._scrape)
 
+    def begin(self, leg: Leg) -> None:
+        """`leg` began answering (its first token, or a decode leg's pull): it queues no
+        prefill where it is."""
+        if leg.started < 0:
+            leg.started = self.epoch
+            self.started_since_scrape[leg.worker] += 1
+
+    def unbegin(self, leg: Leg) -> None:
+        """`leg` ended, or will prefill after all: no longer counted as begun."""
+        if leg.started == self.epoch:
+            self.started_since_scrape[leg.worker] -= 1
+        leg.started = -1
+
     def view(self, residency: Residency | None, now: float) -> ClusterView:
-        inflight = self.inflight
+        inflight, started = self.inflight, self.started_since_scrape
         roles = self._roles
         scraped_at = self._scraped_at
         age = 0.0 if scraped_at is None else max(0.0, now - scraped_at)
@@ -62,6 +80,7 @@ class ViewBuilder:
                 waiting=waiting,
                 kv_usage=kv_usage,
                 inflight=inflight[i],
+                started_since_scrape=started[i],
                 scraped_age_s=age,
             )
             for i, (worker_id, (running, waiting, kv_usage)) in enumerate(

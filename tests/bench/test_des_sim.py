@@ -16,11 +16,13 @@ from bench.metrics import RequestResult
 from bench.traces import Conversation, Trace, TraceTurn
 from bench.workloads import ArrivalSpec, ThinkSpec, WorkloadSpec, generate_matrix
 from policies import create_policy
+from policies.calibration import queue_ahead
 from policies.params import NoParams
 from policies.types import (
     ClusterView,
     Colocate,
     Decision,
+    Handoff,
     Migrate,
     Outcome,
     Reject,
@@ -201,6 +203,49 @@ def test_views_carry_scrape_staleness_and_live_inflight_counts() -> None:
     w0 = second.workers[0]
     # the 20k-token prefill is running, but the last scrape (t=0) saw an idle worker
     assert (w0.running, w0.waiting, w0.inflight) == (0, 0, 1)
+
+
+class SplitRecorder(Recorder):
+    """Hands every turn off from w0 to w1 and keeps every turn and view."""
+
+    def decide(self, turn: Turn, view: ClusterView) -> Decision:
+        self.seen.append((turn, view))
+        return Handoff(prefill_worker="w0", decode_worker="w1")
+
+
+@pytest.mark.parametrize(
+    ("interval_s", "started", "running"),
+    [(10.0, 1, 0), (0.25, 0, 1)],  # no scrape since its decode leg began; one since
+)
+def test_views_count_the_legs_answering_since_the_scrape(
+    interval_s: float, started: int, running: int
+) -> None:
+    # A handoff's decode leg brings its KV: from its send it queues no prefill there, which a
+    # scrape older than it cannot show (it would count it queued).
+    turns = (Conversation("s0", (TraceTurn(0.0, 2000, 400),)),
+             Conversation("s1", (TraceTurn(0.5, 100, 4),)))  # fmt: skip
+    policy = SplitRecorder()
+    simulate(Trace("t", turns), policy, config(("mixed", "mixed"), scrape_interval_s=interval_s))
+    (_, first), (_, second) = policy.seen
+    assert [w.started_since_scrape for w in first.workers] == [0, 0]
+    prefill, decode = second.workers
+    assert (prefill.inflight, prefill.started_since_scrape) == (0, 0)
+    assert (decode.inflight, decode.started_since_scrape, decode.running) == (1, started, running)
+    assert queue_ahead(decode) == 0
+
+
+def test_a_colocated_turn_counts_as_answering_from_its_first_token() -> None:
+    turns = tuple(Conversation(f"s{i}", (TraceTurn(at, 100, 400),))
+                  for i, at in enumerate((0.0, 0.001, 0.5)))  # fmt: skip
+    policy = Recorder()
+    simulate(Trace("t", turns), policy, config(("mixed",), scrape_interval_s=10.0))
+    _, (_, second), (_, third) = policy.seen
+    # Sent since the scrape at 0: in flight, not yet answering, so queued ahead of the next.
+    assert (second.workers[0].inflight, second.workers[0].started_since_scrape) == (1, 0)
+    assert queue_ahead(second.workers[0]) == 1
+    # Both answer by 0.5 s: the scrape at 0 saw neither, and neither is queued.
+    assert (third.workers[0].inflight, third.workers[0].started_since_scrape) == (2, 2)
+    assert queue_ahead(third.workers[0]) == 0
 
 
 def test_residency_is_committed_on_the_serving_worker_after_each_turn() -> None:
@@ -447,7 +492,9 @@ class OutcomeRecorder(Recorder):
 
 def test_outcomes_carry_the_load_seen_at_placement_as_the_live_router_fills_them() -> None:
     # Three turns on w0 within one scrape interval: the scrape at t=0 saw w0 idle, so the
-    # queue ahead of each is the legs in flight there; the streams running come from the scrape.
+    # queue ahead of each is the legs in flight there not yet answering (by 0.2 s the first
+    # one's 0.12 s prefill is done, the second's is not); the streams running come from the
+    # scrape.
     trace = Trace(
         "t", tuple(Conversation(f"s{i}", (TraceTurn(0.1 * i, 4000, 4),)) for i in range(3))
     )
@@ -455,7 +502,7 @@ def test_outcomes_carry_the_load_seen_at_placement_as_the_live_router_fills_them
     simulate(trace, policy, config(("mixed", "mixed"), scrape_interval_s=10.0))
     by_request = {o.request_id: o for o in policy.outcomes}
     placed = [by_request[turn.request_id] for turn, _ in policy.seen]
-    assert [o.worker_waiting_at_start for o in placed] == [0, 1, 2]
+    assert [o.worker_waiting_at_start for o in placed] == [0, 1, 1]
     assert [o.worker_running_at_start for o in placed] == [0, 0, 0]
     # Turns run whole report no prefill stage: their TTFT holds the queue wait and prefill.
     assert all(o.prefill_ms is None and o.ttft_ms is not None for o in placed)

@@ -8,6 +8,7 @@ import uuid
 
 import aiohttp
 import openai
+import pytest
 
 from tests.e2e.conftest import SimCluster, StartRouter, start_sim_cluster, workers_args
 from tests.e2e.helpers import admin_get, chat, metric_sum
@@ -236,6 +237,38 @@ async def test_completions_endpoint_streams_and_answers_through_the_router(
     assert whole["usage"]["prompt_tokens"] == 4
     assert frames[-1].strip() == b"data: [DONE]"
     assert sum(b'"text":' in frame for frame in frames) == 5
+
+
+@pytest.mark.parametrize(
+    ("roles", "policy"),
+    [((0, 0), "colocate"), ((1, 1), "disaggregate")],  # one mixed worker; a handoff to decode
+)
+async def test_a_streaming_turn_counts_as_answering_until_the_next_scrape(
+    sim4: SimCluster, start_router: StartRouter, roles: tuple[int, int], policy: str
+) -> None:
+    # The scrape before the turn saw idle workers; once its first token is out (a handoff's
+    # decode leg: once sent, it brings its KV) the turn queues no prefill where it answers,
+    # which the policy's view says until a scrape shows it running there.
+    urls = sim4.urls[: max(1, sum(roles))]
+    router = start_router(*workers_args(urls, *roles), "--policy", policy,
+                          "--scrape-interval-ms", "600000")  # fmt: skip
+    body = {"prompt": "once upon a time", "max_tokens": 400, "stream": True}
+
+    async def rows(http: aiohttp.ClientSession) -> list[tuple[object, object]]:
+        _, listed = await admin_get(http, router.url, router.admin_token, "/admin/workers")
+        return [(row["inflight"], row["started_since_scrape"]) for row in listed["workers"]]
+
+    async with aiohttp.ClientSession() as http:
+        before = await rows(http)
+        async with http.post(router.url + "/v1/completions", json=body) as response:
+            await response.content.readline()  # the first token is out
+            during = await rows(http)
+            frames = [line async for line in response.content if line.startswith(b"data: ")]
+        after = await rows(http)
+    assert frames[-1].strip() == b"data: [DONE]"
+    idle = [(0, 0)] * len(urls)
+    assert before == idle and after == idle
+    assert during == [*idle[:-1], (1, 1)]  # the prefill leg is done; the answer is on the last
 
 
 async def test_router_inflight_counts_a_turn_while_it_streams(

@@ -112,6 +112,33 @@ def test_queued_counts_its_requests_a_scrape_leaves_ahead_by_weight(
     assert ledger.queued("m9", 8.0, 0) == (0, 0.0)
 
 
+# The scrape saw `running` and `waiting`; the fleet has `inflight` requests there, of which
+# `started` began answering since that scrape (a first token out, or a decode leg bringing
+# its KV): those queue no prefill, whether the scrape counted them waiting or not at all.
+QUEUE_AHEAD = [
+    (4, 0, 4, 0, 0),  # nothing queued
+    (4, 2, 6, 0, 2),  # the scrape's queue
+    (4, 0, 5, 0, 1),  # sent since the scrape, not answering yet
+    (4, 0, 5, 1, 0),  # sent since the scrape, answering already
+    (4, 2, 6, 2, 0),  # both queued at the scrape answer now
+    (4, 2, 7, 1, 2),  # one of three answers
+    (2, 0, 1, 1, 0),  # the scrape is older than some that ended: never below none
+]
+
+
+@pytest.mark.parametrize(("running", "waiting", "inflight", "started", "depth"), QUEUE_AHEAD)
+def test_the_queue_leaves_out_what_answers_since_the_scrape(
+    running: int, waiting: int, inflight: int, started: int, depth: int
+) -> None:
+    worker = w("m1", running=running, waiting=waiting, inflight=inflight,
+               started_since_scrape=started)  # fmt: skip
+    assert queue_ahead(worker) == depth
+    # A short turn sent there waits for what is queued, no more.
+    estimates = Estimates.from_presets()
+    terms = scorer(turn(64), (worker,), estimates)
+    assert terms.queue_ms(worker) == pytest.approx(estimates.queue_wait_ms(depth))
+
+
 # The worker's scrape saw `waiting` queued, and the fleet has `unseen` requests in flight
 # there it has not counted; this policy placed `own` of them (the latest), each a prefill
 # of `weight` typical ones. The others count one typical prefill each.
