@@ -194,8 +194,7 @@ class SimRouter:
         self._submit(leg, leg.owner.req.max_tokens, 0, hold=False)
 
     def _single_done(self, leg: Leg, reason: str, stats: RequestStats, now: float) -> None:
-        self.views.inflight[leg.worker] -= 1
-        self.views.unbegin(leg)
+        self.views.ended(leg)
         self._complete(leg.owner, leg.chunks, leg.tokens, stats, now)
 
     def _submit(self, leg: Leg, max_tokens: int, preload: int, hold: bool) -> bool:
@@ -211,8 +210,7 @@ class SimRouter:
         problem = self._cluster.submit(leg, request)
         if problem is None:
             return True
-        self.views.inflight[leg.worker] -= 1
-        self.views.unbegin(leg)
+        self.views.ended(leg)
         self._release(flight, 0, 0.0)
         self._end(flight, "error", 400, problem, self._clock.now())
         return False
@@ -237,8 +235,7 @@ class SimRouter:
 
     def _prefill_done(self, leg: Leg, reason: str, stats: RequestStats, now: float) -> None:
         flight: Flight = leg.owner
-        self.views.inflight[leg.worker] -= 1
-        self.views.unbegin(leg)
+        self.views.ended(leg)
         events = flight.events
         events.prefill_end = now
         if stats.held_blocks:
@@ -252,11 +249,10 @@ class SimRouter:
         decode = flight.decode
         flight.served_by = decode
         self.views.inflight[decode] += 1
-        decode_leg = Leg(flight, decode, self._decode_done, flight.req.keep_answer)
+        decode_leg = Leg(flight, decode, self._decode_done, flight.req.keep_answer,
+                         self.views.begin)  # fmt: skip
         if stats.held_blocks:
             self.views.begin(decode_leg)  # it brings its KV: it queues no prefill there
-        else:
-            decode_leg.on_first = self.views.begin
         self._loop.at(now + self._overhead, self._send_decode, decode_leg)
 
     def _send_decode(self, leg: Leg) -> None:
@@ -268,14 +264,14 @@ class SimRouter:
             # nothing to pull: the link is not needed (a 400 ends the turn there)
             start = flight.events.transfer_start
             self._release(flight, 0, self._clock.now() - start if start is not None else 0.0)
-            self._prefills_itself(leg)
+            self.views.unbegin(leg)  # it prefills after all: it answers at its first token
             self._submit(leg, req.max_tokens, 0, hold=False)
             return
         held_tokens = self._cluster.held_tokens(*held)
         if held_tokens is None:  # expired before the pull: the worker prefills locally
             flight.reported = (0, 0.0)
             self._release(flight, *flight.reported)
-            self._prefills_itself(leg)
+            self.views.unbegin(leg)
             self._submit(leg, req.max_tokens, 0, hold=False)
             return
         hit = engine.cached_prefix_tokens(req.prompt, self._block_hashes(req))
@@ -283,11 +279,6 @@ class SimRouter:
         flight.pull_bytes = max(0, flight.preload - hit) * self._kv_bytes
         flight.pull_started = self._clock.now()
         self._cluster.transfer(held[0], leg.worker, flight.pull_bytes, self._pulled, leg)
-
-    def _prefills_itself(self, leg: Leg) -> None:
-        """The decode leg has no KV to pull after all: it queues as a prefill until it answers."""
-        self.views.unbegin(leg)
-        leg.on_first = self.views.begin
 
     def _pulled(self, leg: Leg) -> None:
         flight: Flight = leg.owner
@@ -299,8 +290,7 @@ class SimRouter:
 
     def _decode_done(self, leg: Leg, reason: str, stats: RequestStats, now: float) -> None:
         flight: Flight = leg.owner
-        self.views.inflight[leg.worker] -= 1
-        self.views.unbegin(leg)
+        self.views.ended(leg)
         chunks, answer = leg.chunks, leg.tokens
         if flight.first_at is not None:  # the decode leg's first token is the one already sent
             chunks = [flight.first_at, *chunks[1:]]

@@ -61,10 +61,16 @@ class ViewBuilder:
             self.started_since_scrape[leg.worker] += 1
 
     def unbegin(self, leg: Leg) -> None:
-        """`leg` ended, or will prefill after all: no longer counted as begun."""
+        """`leg` is no longer counted as begun (a decode leg that prefills after all begins
+        again at its first token)."""
         if leg.started == self.epoch:
             self.started_since_scrape[leg.worker] -= 1
         leg.started = -1
+
+    def ended(self, leg: Leg) -> None:
+        """`leg` is no longer in flight."""
+        self.inflight[leg.worker] -= 1
+        self.unbegin(leg)
 
     def view(self, residency: Residency | None, now: float) -> ClusterView:
         inflight, started = self.inflight, self.started_since_scrape
