@@ -42,26 +42,14 @@ class Leg:
     session resends the answer), else it is None and nothing is copied.
     """
 
-    __slots__ = (
-        "chunks",
-        "engine_id",
-        "on_finish",
-        "on_first",
-        "owner",
-        "started",
-        "tokens",
-        "worker",
-    )
+    __slots__ = ("chunks", "engine_id", "on_finish", "owner", "started", "tokens", "worker")
 
     def __init__(
-        self, owner: Any, worker: int, on_finish: FinishCallback, keep_tokens: bool = False,
-        on_first: Callable[[Leg], None] | None = None,
-    ) -> None:  # fmt: skip
+        self, owner: Any, worker: int, on_finish: FinishCallback, keep_tokens: bool = False
+    ) -> None:
         self.owner = owner
         self.worker = worker
         self.on_finish = on_finish
-        # Called once, at its first token (then set to None).
-        self.on_first = on_first
         # The scrape epoch in which it began answering (`ViewBuilder.begin`), else -1.
         self.started = -1
         self.engine_id = ""
@@ -82,12 +70,18 @@ class SimWorker:
         self.run: DecodeRun | None = None  # the steady decode in flight, if any
 
 
+def _ignore(leg: Leg) -> None:
+    pass
+
+
 class Cluster:
     def __init__(self, config: SimConfig, loop: EventLoop) -> None:
         spec = config.cluster
         self.deployment = deployment_from_names(spec.gpu, spec.model, spec.tp)
         self.kv_bytes_per_token = self.deployment.kv_bytes_per_token
         self.loop = loop
+        # Called with each leg at its first token (`ViewBuilder.begin`).
+        self.on_first_token: Callable[[Leg], None] = _ignore
         spine = None if config.spine_gbps is None else config.spine_gbps * 1e9 / 8
         self.fabric = Fabric(spine_bps=spine)
         nic_bps = config.nic_gbps * 1e9 / 8
@@ -191,9 +185,8 @@ class Cluster:
             for request_id, token_ids, reason, stats in outputs:
                 leg = legs[request_id]
                 if token_ids:
-                    if leg.on_first is not None:
-                        leg.on_first(leg)
-                        leg.on_first = None
+                    if not leg.chunks:
+                        self.on_first_token(leg)
                     leg.chunks.append(now)
                     if leg.tokens is not None:
                         leg.tokens += token_ids
@@ -271,9 +264,8 @@ class Cluster:
         legs = self.legs
         for request_id, token_ids in outputs:
             leg = legs[request_id]
-            if leg.on_first is not None and times:
-                leg.on_first(leg)
-                leg.on_first = None
+            if times and not leg.chunks:
+                self.on_first_token(leg)
             leg.chunks += times
             if leg.tokens is not None:
                 leg.tokens += token_ids

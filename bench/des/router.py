@@ -187,7 +187,7 @@ class SimRouter:
         flight.served_by = worker
         flight.events.prefill_start = now
         self.views.inflight[worker] += 1
-        leg = Leg(flight, worker, self._single_done, flight.req.keep_answer, self.views.begin)
+        leg = Leg(flight, worker, self._single_done, flight.req.keep_answer)
         self._loop.at(now + self._overhead, self._send_single, leg)
 
     def _send_single(self, leg: Leg) -> None:
@@ -227,7 +227,7 @@ class SimRouter:
         flight.events.prefill_start = now
         self.views.inflight[prefill] += 1
         keep = self._prefill_first and flight.req.keep_answer
-        leg = Leg(flight, prefill, self._prefill_done, keep, self.views.begin)
+        leg = Leg(flight, prefill, self._prefill_done, keep)
         self._loop.at(now + self._overhead, self._send_prefill, leg)
 
     def _send_prefill(self, leg: Leg) -> None:
@@ -249,8 +249,7 @@ class SimRouter:
         decode = flight.decode
         flight.served_by = decode
         self.views.inflight[decode] += 1
-        decode_leg = Leg(flight, decode, self._decode_done, flight.req.keep_answer,
-                         self.views.begin)  # fmt: skip
+        decode_leg = Leg(flight, decode, self._decode_done, flight.req.keep_answer)
         if stats.held_blocks:
             self.views.begin(decode_leg)  # it brings its KV: it queues no prefill there
         self._loop.at(now + self._overhead, self._send_decode, decode_leg)

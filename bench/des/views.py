@@ -20,6 +20,7 @@ class ViewBuilder:
         self._roles = config.roles
         self._interval = config.scrape_interval_s
         self._cluster = cluster
+        cluster.on_first_token = self.begin
         self._ledger = ledger
         self._kv_bytes = cluster.kv_bytes_per_token
         self._loop: EventLoop | None = None
