@@ -224,7 +224,8 @@ class Estimates:
 
         `prefill`: what the placement assumed of its prefill leg (the cached tokens and the
         decode streams on its worker); a split turn's outcome counts the decode leg's cache
-        hit (the pulled KV), not the prefill's."""
+        hit (the pulled KV) and, where the prefill worker reported it, the prefill leg's
+        (`Outcome.prefill_cached_tokens`), which replaces the assumed one."""
         if not outcome.ok:
             return
         running = max(0, outcome.worker_running_at_start)
@@ -238,6 +239,11 @@ class Estimates:
             queued = None
         stage = _prefill_stage(outcome, queued)
         leg = prefill if prefill is not None else _leg_of(outcome, running)
+        found = outcome.prefill_cached_tokens
+        if found is not None and outcome.action not in WHOLE_ACTIONS:
+            # What the prefill leg found, not what its placement assumed: a prefix cached
+            # where none was assumed would otherwise teach a faster GPU.
+            leg = leg._replace(cached=found)
         if stage is not None:
             self._observe_prefill(outcome, leg, stage, queued or 0.0)
         elif queued is not None:

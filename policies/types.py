@@ -219,6 +219,8 @@ class Outcome(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     queue ahead of it on its prefill worker (the decode worker for a colocated turn).
     `held_ms`: the router held the turn that long before sending it (`Colocate.hold_s`); its
     TTFT includes it, `queue_ms` (the router's own queue stage, after the hold) does not.
+    `prefill_cached_tokens`: of a split turn, the tokens its prefill leg found cached on the
+    prefill worker, where that worker reported them (`cached_tokens` counts the decode leg's).
     """
 
     request_id: str
@@ -241,3 +243,4 @@ class Outcome(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     worker_waiting_at_start: int = 0
     predicted: Prediction = _NO_PREDICTION
     held_ms: float = 0.0
+    prefill_cached_tokens: int | None = None

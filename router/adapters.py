@@ -11,6 +11,8 @@ from typing import Any
 
 import msgspec
 
+from router.relay import Usage
+
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder().decode
 
@@ -94,7 +96,15 @@ class PrefillReply(msgspec.Struct):
     created: int = 0
     model: str = ""
     choices: list[dict[str, Any]] = []
-    usage: dict[str, Any] | None = None
+    usage: Usage | None = None
+
+    @property
+    def cached_tokens(self) -> int | None:
+        """The prompt tokens the prefill worker found cached, None where it did not say
+        (vLLM reports them with --enable-prompt-tokens-details)."""
+        details = self.usage.prompt_tokens_details if self.usage is not None else None
+        found = details.get("cached_tokens") if details else None
+        return found if isinstance(found, int) and found >= 0 else None
 
 
 _decode_prefill = msgspec.json.Decoder(PrefillReply).decode

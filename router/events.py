@@ -78,6 +78,7 @@ class StageEvents(msgspec.Struct):
     prompt_tokens: int = 0
     estimated_prompt_tokens: int = 0  # what the router assumed before the worker's usage
     cached_tokens: int = 0
+    prefill_cached_tokens: int | None = None  # a split turn's prefill leg's, where reported
     completion_tokens: int = 0
     recomputed_tokens: int = 0
     transferred_bytes: int = 0
@@ -120,6 +121,7 @@ class StageEvents(msgspec.Struct):
             worker_waiting_at_start=self.worker_waiting_at_start,
             predicted=self.predicted if self.predicted is not None else Prediction(),
             held_ms=held_ms if held_ms > 0.0 else 0.0,
+            prefill_cached_tokens=self.prefill_cached_tokens,
         )
 
 

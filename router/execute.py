@@ -108,6 +108,8 @@ class Executor:
             return Response(status, raw, ctx.echo())
         reply = adapters.parse_prefill_reply(raw) if status == 200 else None
         events.prefill_end = self._clock.now()
+        if reply is not None:
+            events.prefill_cached_tokens = reply.cached_tokens
         params = reply.kv_transfer_params if reply is not None else None
         if params is None:
             # No KV to pull (EOS as first token, or the prefill failed): the decode worker

@@ -238,6 +238,7 @@ class SimRouter:
         self.views.ended(leg)
         events = flight.events
         events.prefill_end = now
+        events.prefill_cached_tokens = stats.cached_tokens
         if stats.held_blocks:
             flight.held = (leg.worker, leg.engine_id)
             if self._prefill_first:

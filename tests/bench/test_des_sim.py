@@ -271,6 +271,44 @@ def test_residency_is_committed_on_the_serving_worker_after_each_turn() -> None:
     assert second.sent_at == pytest.approx(first.done_at + 0.1)
 
 
+class Observed:
+    """A policy that keeps what `observe` is told, around another one."""
+
+    name = "observed"
+    Params = NoParams
+
+    def __init__(self, inner: str) -> None:
+        self.inner = create_policy(inner)
+        self.outcomes: list[Outcome] = []
+
+    def decide(self, turn: Turn, view: ClusterView) -> Decision:
+        return self.inner.decide(turn, view)
+
+    def observe(self, outcome: Outcome) -> None:
+        self.outcomes.append(outcome)
+
+
+def test_a_split_turns_outcome_reports_what_its_prefill_leg_found_cached() -> None:
+    """The decode leg's hit is the pulled KV; the prefill leg's is the prefill worker's own
+    cache: nothing for the first turn, the last prompt (whole blocks) for the next."""
+    turns = (TraceTurn(0.0, 1000, 10), TraceTurn(0.0, 200, 10, think_s=0.1))
+    policy = Observed("disaggregate")
+    result = simulate(Trace("t", (Conversation("chat", turns),)), policy,
+                      config(("prefill", "decode")))  # fmt: skip
+    first, second = result.results
+    assert [o.action for o in policy.outcomes] == ["handoff", "handoff"]
+    assert [o.prefill_cached_tokens for o in policy.outcomes] == [
+        0, first.prompt_tokens // 16 * 16]  # fmt: skip
+    assert [o.cached_tokens for o in policy.outcomes] == [
+        first.prompt_tokens - 1, second.prompt_tokens - 1]  # fmt: skip
+
+
+def test_a_whole_turns_outcome_reports_no_prefill_leg() -> None:
+    policy = Observed("colocate")
+    simulate(single_turns(1000), policy, config(("mixed",)))
+    assert [o.prefill_cached_tokens for o in policy.outcomes] == [None]
+
+
 def test_a_handoff_reserves_only_the_kv_its_decode_worker_lacks(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -95,6 +95,25 @@ async def test_disaggregate_prefills_remotely_and_decode_worker_pulls(
     assert event["transfer_end"] > event["transfer_start"]
 
 
+async def test_a_handoff_records_what_its_prefill_leg_found_cached(
+    sim4: SimCluster, start_router: StartRouter
+) -> None:
+    """The prefill worker's reply says how much of the prompt it had cached: nothing the first
+    time, all but the last partial block when another session sends the same prompt."""
+    prefill, decode = sim4.urls[2], sim4.urls[3]
+    router = start_router("--prefill", prefill, "--decode", decode, "--policy", "disaggregate")
+    messages = [{"role": "user", "content": " ".join(f"pc{i}" for i in range(600))}]
+    async with aiohttp.ClientSession() as http:
+        _, first, _ = await chat(http, router.url, messages, max_tokens=3, session_id="pc-a")
+        _, second, _ = await chat(http, router.url, messages, max_tokens=3, session_id="pc-b")
+        _status, decisions = await admin_get(http, router.url, router.admin_token,
+                                            "/admin/decisions?limit=2")  # fmt: skip
+    prompt = first["prompt_tokens"]
+    assert second["prompt_tokens"] == prompt
+    found = {e["session_id"]: e["prefill_cached_tokens"] for e in decisions["decisions"]}
+    assert found == {"pc-a": 0, "pc-b": prompt // 16 * 16}
+
+
 async def test_scripted_migration_moves_the_session_and_the_next_turn_hits_the_cache(
     sim4: SimCluster, start_router: StartRouter
 ) -> None:

@@ -160,6 +160,36 @@ def test_a_wait_for_placed_work_is_no_wait_in_an_empty_queue(seed: int) -> None:
     assert estimates.queue_wait_ms(0) < 0.1 * sum(waits) / len(waits)
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_split_turn_teaches_from_the_prefix_its_prefill_leg_found(seed: int) -> None:
+    """Placed assuming nothing cached on the prefill worker, the prefill legs found a prefix
+    there (a system prompt other sessions left): told what each found, the roofs converge;
+    taken for uncached, the prefix makes the GPU look faster than it is."""
+    truth = Truth()
+    told, blind = (Estimates.from_presets("h200-sxm", "llama-3.1-8b") for _ in range(2))
+    rng = random.Random(seed)
+    for _ in range(200):
+        outcome = measured_outcome(rng, truth, "handoff")
+        assumed = PrefillLeg(cached=0, beside=0)
+        told.observe(
+            msgspec.structs.replace(outcome, prefill_cached_tokens=outcome.cached_tokens), assumed
+        )
+        blind.observe(outcome, assumed)
+    assert worst_errors(told, truth, seed)[0] < 0.15
+    assert worst_errors(blind, truth, seed)[0] > 0.15
+
+
+def test_a_whole_turn_keeps_the_cache_hit_it_was_placed_with() -> None:
+    """`prefill_cached_tokens` speaks of a split turn's prefill leg: a colocated turn's one
+    leg is its own outcome's `cached_tokens`, whatever the field says."""
+    outcome = measured_outcome(random.Random(3), Truth(), "colocate")
+    plain, marked = Estimates.from_presets(), Estimates.from_presets()
+    leg = PrefillLeg(outcome.cached_tokens, outcome.worker_running_at_start)
+    plain.observe(outcome, leg)
+    marked.observe(msgspec.structs.replace(outcome, prefill_cached_tokens=0), leg)
+    assert marked.factors() == plain.factors()
+
+
 def test_a_prefill_behind_more_than_its_own_work_teaches_no_roof() -> None:
     estimates, reference = Estimates.from_presets(), Estimates.from_presets()
     rng = random.Random(7)
