@@ -21,8 +21,9 @@ meet where it decodes (exposure, from the `StallLedger` of recent placements,
 objective (its queue: the larger of the learned wait behind the queue depth and the placed
 work ahead); where nothing is at risk, the faster placement that takes less GPU time wins.
 Choice: the candidate that meets the turn's own objectives (its TTFT, and its ITL: an
-exposure below one slow gap over its budget; for a returning session, at a harm within one
-expected miss of the reference's), at the least cost (I > H + dQ + dC against the colocated
+exposure below one slow gap over its budget; at a harm within one expected miss of the
+reference's for a returning session, of the least harmful candidate's for a new one), at the
+least cost (I > H + dQ + dC against the colocated
 reference; off the resident worker it must win by `SEPARATION_MARGIN`); then the lower cost
 among the others; ties go to colocate, handoff, migrate, recompute, then to the lower worker
 ids: the decision depends only on the view, the estimates, the ledgers and the sessions seen
@@ -35,7 +36,8 @@ or served anyway with `on_infeasible=serve`.
 again replaces it, so it returns the same decision; a split turn's decode leg is counted on
 its decode worker until its prefill is predicted to end, `LegLedger`); `observe` calibrates
 the estimates, told what the placed prefill leg was assumed to find (a split turn's outcome
-counts the decode leg's cache hit), takes the finished turn's work off the `WorkLedger`, and
+counts the decode leg's cache hit, and the prefill leg's only where its worker reported it),
+takes the finished turn's work off the `WorkLedger`, and
 learns the prefix fresh sessions find cached anywhere (`Estimates.shared_prefix_tokens`).
 
 The reference is the colocate on the resident worker, or else the best whole-turn candidate.
@@ -188,6 +190,8 @@ class AdaptivePolicy:
                         candidates.append(scorer.handoff(prefill, decode, held=held))
         if resident is not None:
             key = _rank_key(turn, reference)
+        else:  # a new session's turn may not stall the streams running where it prefills
+            key = _rank_key(turn, least_harm=min(c.harm for c in candidates))
         best = min(candidates, key=key)
         predicted = predicted_terms(best, reference)
         objective = turn.objectives.ttft_ms
@@ -264,16 +268,17 @@ class AdaptivePolicy:
 
 
 def _rank_key(
-    turn: Turn, reference: Candidate | None = None
+    turn: Turn, reference: Candidate | None = None, least_harm: float = math.inf
 ) -> Callable[[Candidate], tuple[bool, float, int, tuple[str, ...]]]:
     """Meets the turn's own objectives first (its TTFT, and its ITL: fewer slow gaps expected
     where it decodes than its budget, `Candidate.exposure` < 1) at a harm within one miss of
-    the colocated `reference`'s (that saves one turn: costing the streams beside
-    its prefill more saves nothing), then the lower cost; a candidate other than `reference`
-    must win by `SEPARATION_MARGIN` (what the model leaves out: a turn moved off its resident
-    worker moves load and cache with it, its gain is an estimate)."""
+    the colocated `reference`'s, or without one (a new session) of `least_harm` (meeting them
+    saves one turn: costing the streams beside its prefill more saves nothing), then the
+    lower cost; a candidate other than `reference` must win by `SEPARATION_MARGIN` (what the
+    model leaves out: a turn moved off its resident worker moves load and cache with it, its
+    gain is an estimate)."""
     objective = turn.objectives.ttft_ms
-    harmful = math.inf if reference is None else reference.harm + 1.0
+    harmful = (least_harm if reference is None else reference.harm) + 1.0
 
     def key(candidate: Candidate) -> tuple[bool, float, int, tuple[str, ...]]:
         margin = 0.0 if reference is None or candidate is reference else SEPARATION_MARGIN

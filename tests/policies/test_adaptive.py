@@ -96,6 +96,8 @@ SATURATED = (
     w("d2", "decode", waiting=50),
 )
 STREAMING = (w("p1", "prefill"), w("d1", "decode", running=32), w("d2", "decode", running=32))
+# A new session's choice: beside 64 streams at once, or behind a queue past its objective.
+STALL_OR_WAIT = (w("m1", "mixed", running=64), w("m2", "mixed", waiting=24))
 
 CASES: list[tuple[str, Mapping[str, object], ClusterView, Turn, Decision]] = [
     (
@@ -262,6 +264,21 @@ CASES: list[tuple[str, Mapping[str, object], ClusterView, Turn, Decision]] = [
         view(*STREAMING, links=LINKS, resident="d1", tokens=2000),
         turn(6000, 4000, itl_ms=100.0),
         Colocate("d1"),
+    ),
+    (
+        # Its own TTFT is one miss; a prefill stalling 64 streams costs more than one.
+        "new session: rejected rather than stall 64 streams to meet its own objective",
+        {},
+        view(*STALL_OR_WAIT, links=mesh("m1", "m2")),
+        turn(4000, 4000, itl_ms=100.0),
+        Reject(retry_after_s=1.0),
+    ),
+    (
+        "new session: served best effort behind the queue rather than stall 64 streams",
+        {"on_infeasible": "serve"},
+        view(*STALL_OR_WAIT, links=mesh("m1", "m2")),
+        turn(4000, 4000, itl_ms=100.0),
+        Colocate("m2"),
     ),
     (
         "mixed workers only: recompute on the idle one rather than stall 48 streams",
