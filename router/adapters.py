@@ -100,11 +100,8 @@ class PrefillReply(msgspec.Struct):
 
     @property
     def cached_tokens(self) -> int | None:
-        """The prompt tokens the prefill worker found cached, None where it did not say
-        (vLLM reports them with --enable-prompt-tokens-details)."""
-        details = self.usage.prompt_tokens_details if self.usage is not None else None
-        found = details.get("cached_tokens") if details else None
-        return found if isinstance(found, int) and found >= 0 else None
+        """The prompt tokens the prefill worker found cached, None where it did not say."""
+        return self.usage.reported_cached_tokens if self.usage is not None else None
 
 
 _decode_prefill = msgspec.json.Decoder(PrefillReply).decode

@@ -23,6 +23,7 @@ from router.errors import RouterError
 from router.events import StageClock
 from router.http import Response, UpstreamConnectError, UpstreamError
 from router.legs import LegRunner, TurnContext, WorkerUnreachable
+from router.relay import answer_usage
 from router.state import Priority, Reservation, SharedState
 
 log = logging.getLogger("router.execute")
@@ -207,7 +208,7 @@ class Executor:
         ctx.served_by = target
         return await self._legs.relay(ctx, target, ctx.client_payload(), drop_first)
 
-    # -- SGLang bootstrap: both legs at once, the prefill answer drained -------------------
+    # -- SGLang bootstrap: both legs at once, the prefill answer drained for its usage -----
     async def _handoff_sglang(
         self, ctx: TurnContext, prefill: str, decode: str, transfer: _Transfer
     ) -> Response | None:
@@ -239,9 +240,12 @@ class Executor:
         with self._legs.inflight(worker_id):
             try:
                 upstream = await self._legs.send(ctx, worker_id, payload)
-                await upstream.read()
+                usage = answer_usage(await upstream.read())
             except UpstreamError:
                 self._legs.on_upstream_error(worker_id, "prefill_leg")
+                return
+        if usage is not None and upstream.status == 200:
+            ctx.events.prefill_cached_tokens = usage.reported_cached_tokens
 
 
 class _Transfer:

@@ -31,6 +31,13 @@ class Usage(msgspec.Struct):
         details = self.prompt_tokens_details or {}
         return int(details.get("cached_tokens") or 0)
 
+    @property
+    def reported_cached_tokens(self) -> int | None:
+        """The cached prompt tokens where the engine reported them (vLLM with
+        --enable-prompt-tokens-details, SGLang with --enable-cache-report), else None."""
+        found = (self.prompt_tokens_details or {}).get("cached_tokens")
+        return found if isinstance(found, int) and found >= 0 else None
+
 
 class _UsageCarrier(msgspec.Struct):
     usage: Usage | None = None
@@ -44,6 +51,19 @@ def usage_of(payload: bytes) -> Usage | None:
         return _decode_usage(payload).usage
     except msgspec.DecodeError:
         return None
+
+
+def answer_usage(body: bytes) -> Usage | None:
+    """The usage of a whole answer read at once: a JSON reply's, or an event stream's last
+    usage frame."""
+    if not body.startswith(b"data:"):
+        return usage_of(body)
+    at = body.rfind(b'"usage"')
+    if at < 0:
+        return None
+    start = body.rfind(b"data:", 0, at)
+    end = body.find(_SEP, at)
+    return usage_of(body[start + 5 : end if end >= 0 else len(body)])
 
 
 def _is_usage_frame(frame: bytes) -> bool:

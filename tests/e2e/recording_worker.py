@@ -34,6 +34,7 @@ class RecordingWorker:
     """Answers like an engine: streams `tokens` chunks with usage, or one JSON body."""
 
     tokens: int = 3
+    cached: int = 0  # the prompt tokens its usage reports cached
     received: list[Received] = field(default_factory=list)
     runner: web.AppRunner | None = None
     port: int = 0
@@ -73,7 +74,7 @@ class RecordingWorker:
         self.received.append(Received(request.path, headers, body, time.time()))
         n = self.tokens
         usage = {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n,
-                 "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
+                 "prompt_tokens_details": {"cached_tokens": self.cached}}  # fmt: skip
         if not body.get("stream"):
             return web.json_response({
                 "id": "cmpl-x", "object": "chat.completion", "created": 1, "model": "m",

@@ -59,7 +59,7 @@ async def test_usage_is_requested_upstream_and_dropped_when_the_client_did_not_a
 async def test_sglang_handoff_sends_one_body_to_both_with_bootstrap_fields(
     start_router: StartRouter, tmp_path: Path
 ) -> None:
-    prefill, decode = RecordingWorker(), RecordingWorker()
+    prefill, decode = RecordingWorker(cached=4), RecordingWorker()
     await prefill.start()
     await decode.start()
     try:
@@ -72,11 +72,22 @@ async def test_sglang_handoff_sends_one_body_to_both_with_bootstrap_fields(
         )
         router = await asyncio.to_thread(start_router, "--config", str(config))
         async with aiohttp.ClientSession() as http:
-            text, _usage, response = await chat(http, router.url, MESSAGES)
+            text, usage, response = await chat(http, router.url, MESSAGES)
+            # the prefill answer is drained beside the relayed one: its usage may come after
+            async with asyncio.timeout(5):
+                while True:
+                    _, decisions = await admin_get(http, router.url, router.admin_token,
+                                                   "/admin/decisions?limit=1")  # fmt: skip
+                    if decisions["decisions"][0]["prefill_cached_tokens"] is not None:
+                        break
+                    await asyncio.sleep(0.02)
     finally:
         await prefill.stop()
         await decode.stop()
     assert response.status == 200 and text == " t0 t1 t2"
+    # what the prefill server found cached is recorded; the client sees the decode server's
+    assert decisions["decisions"][0]["prefill_cached_tokens"] == 4
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 0
     p, d = prefill.received[-1].body, decode.received[-1].body
     assert p == d
     assert p["bootstrap_host"] == "127.0.0.1" and p["bootstrap_port"] == 8998

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.http import StreamWriter, UpstreamBodyError, UpstreamResponse
-from router.relay import StreamRelay
+from router.relay import StreamRelay, answer_usage
 
 ROLE = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
 
@@ -144,3 +144,23 @@ def test_the_relayed_bytes_do_not_depend_on_how_reads_cut_the_stream(points: lis
         whole_result.completed,
         whole_result.usage,
     )
+
+
+@pytest.mark.parametrize(
+    ("body", "cached"),
+    [
+        (b'{"usage":{"prompt_tokens":9,"prompt_tokens_details":{"cached_tokens":4}}}', 4),
+        (b'{"usage":{"prompt_tokens":9,"prompt_tokens_details":null}}', None),
+        (b'{"usage":{"prompt_tokens":9}}', None),
+        (b'{"choices":[]}', None),
+        (USAGE.replace(b":4}", b":7}") + b"data: [DONE]\n\n", 7),
+        (b'data: {"choices":[{"text":"a"}]}\n\n' + USAGE, 4),  # no [DONE] after it
+        (b'data: {"choices":[{"text":"a"}]}\n\ndata: [DONE]\n\n', None),
+        (b"not json", None),
+    ],
+    ids=["json", "json-unreported", "json-no-details", "json-no-usage", "stream", "stream-cut",
+         "stream-no-usage", "garbage"],
+)  # fmt: skip
+def test_a_whole_answers_usage_reports_its_cached_tokens(body: bytes, cached: int | None) -> None:
+    usage = answer_usage(body)
+    assert (usage.reported_cached_tokens if usage is not None else None) == cached
