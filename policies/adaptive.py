@@ -23,11 +23,11 @@ work ahead); where nothing is at risk, the faster placement that takes less GPU 
 Choice: the candidate that meets the turn's own objectives (its TTFT, and its ITL: an
 exposure below one slow gap over its budget; at a harm within one expected miss of the
 reference's for a returning session, of the least harmful candidate's for a new one), at the
-least cost (I > H + dQ + dC against the colocated
-reference; off the resident worker it must win by `SEPARATION_MARGIN`); then the lower cost
-among the others; ties go to colocate, handoff, migrate, recompute, then to the lower worker
-ids: the decision depends only on the view, the estimates, the ledgers and the sessions seen
-(`policies.admission`), never on the order of the workers.
+least cost (I > H + dQ + dC against the colocated reference; off the resident worker it must
+win by `SEPARATION_MARGIN`); then the lower cost among the others; ties go to colocate,
+handoff, migrate, recompute, then to the lower worker ids: the decision depends only on the
+view, the estimates, the ledgers and the sessions seen (`policies.admission`), never on the
+order of the workers.
 When the best candidate misses the objective, the turn is served best effort, unless it misses
 by more than a rejection sheds (`policies.admission`): then it is rejected with `retry_after_s`,
 or served anyway with `on_infeasible=serve`.
@@ -37,8 +37,8 @@ again replaces it, so it returns the same decision; a split turn's decode leg is
 its decode worker until its prefill is predicted to end, `LegLedger`); `observe` calibrates
 the estimates, told what the placed prefill leg was assumed to find (a split turn's outcome
 counts the decode leg's cache hit, and the prefill leg's only where its worker reported it),
-takes the finished turn's work off the `WorkLedger`, and
-learns the prefix fresh sessions find cached anywhere (`Estimates.shared_prefix_tokens`).
+takes the finished turn's work off the `WorkLedger`, and learns the prefix fresh sessions
+find cached anywhere (`Estimates.shared_prefix_tokens`).
 
 The reference is the colocate on the resident worker, or else the best whole-turn candidate.
 `predicted` is relative to it, in ms: interference_ms = the stall ms past the streams' slack

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from router.relay import Usage
+from router.relay import reported_cached_tokens
 
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder().decode
@@ -96,12 +96,12 @@ class PrefillReply(msgspec.Struct):
     created: int = 0
     model: str = ""
     choices: list[dict[str, Any]] = []
-    usage: Usage | None = None
+    usage: dict[str, Any] | None = None  # loose: an engine's extra fields must not fail it
 
     @property
     def cached_tokens(self) -> int | None:
         """The prompt tokens the prefill worker found cached, None where it did not say."""
-        return self.usage.reported_cached_tokens if self.usage is not None else None
+        return reported_cached_tokens((self.usage or {}).get("prompt_tokens_details"))
 
 
 _decode_prefill = msgspec.json.Decoder(PrefillReply).decode

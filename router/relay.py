@@ -28,15 +28,19 @@ class Usage(msgspec.Struct):
 
     @property
     def cached_tokens(self) -> int:
-        details = self.prompt_tokens_details or {}
-        return int(details.get("cached_tokens") or 0)
+        return self.reported_cached_tokens or 0
 
     @property
     def reported_cached_tokens(self) -> int | None:
-        """The cached prompt tokens where the engine reported them (vLLM with
-        --enable-prompt-tokens-details, SGLang with --enable-cache-report), else None."""
-        found = (self.prompt_tokens_details or {}).get("cached_tokens")
-        return found if isinstance(found, int) and found >= 0 else None
+        return reported_cached_tokens(self.prompt_tokens_details)
+
+
+def reported_cached_tokens(details: object) -> int | None:
+    """The cached prompt tokens in a usage's `prompt_tokens_details`, where the engine
+    reported them (vLLM with --enable-prompt-tokens-details, SGLang with
+    --enable-cache-report), else None."""
+    found = details.get("cached_tokens") if isinstance(details, dict) else None
+    return found if isinstance(found, int) and found >= 0 else None
 
 
 class _UsageCarrier(msgspec.Struct):

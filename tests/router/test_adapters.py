@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import random
+
+import pytest
 
 from router import adapters
 
@@ -52,3 +55,23 @@ def test_prefill_token_becomes_the_first_stream_frames() -> None:
     frames = adapters.first_token_frames(reply, chat=True).split(b"\n\n")
     assert frames[0].startswith(b"data: ") and b'"role":"assistant"' in frames[0]
     assert b'"delta":{"content":"Hello"}' in frames[1] and b'"id":"chatcmpl-7"' in frames[1]
+
+
+@pytest.mark.parametrize(
+    ("usage", "cached"),
+    [
+        ({"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": 4}}, 4),
+        # fields an engine adds must not fail the handoff
+        ({"prompt_tokens_details": {"cached_tokens": 4, "image_tokens": {"n": 1}}}, 4),
+        ({"prompt_tokens": 9, "prompt_tokens_details": None}, None),
+        ({"prompt_tokens": 9}, None),
+        ({"prompt_tokens_details": [4]}, None),
+        ({"prompt_tokens_details": {"cached_tokens": -1}}, None),
+        (None, None),
+    ],
+)
+def test_the_prefill_reply_says_what_its_worker_found_cached(
+    usage: dict[str, object] | None, cached: int | None
+) -> None:
+    raw = json.dumps({"choices": [], "usage": usage}).encode()
+    assert adapters.parse_prefill_reply(raw).cached_tokens == cached
