@@ -152,6 +152,7 @@ class AdaptivePolicy:
             legs=self._coming,
             done=self._done,
             max_hold_s=p.max_hold_s,
+            continuing=self._admission.continuing,
         )
         key = _rank_key(turn)
         # A new answer goes where its KV fits: a full cache preempts the streams running there.

@@ -1,9 +1,11 @@
-"""One candidate placement of a turn and its cost in expected objective misses (the
-formulas are in `policies.adaptive_scoring`, which builds candidates)."""
+"""One candidate placement of a turn and its cost in expected objective misses, and the
+per-worker terms candidates are built from (the formulas are in `policies.adaptive_scoring`,
+which builds candidates; `policies.adaptive_terms` computes the terms)."""
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 from policies.estimates import PrefillLeg
 from policies.types import Action
@@ -11,6 +13,29 @@ from policies.types import Action
 RISK_FROM = 0.5
 TTFT_WEIGHT = 0.05
 WORK_WEIGHT = 16.0
+
+
+class PrefillTerms(NamedTuple):
+    """The turn's prefill on one worker: the terms of every candidate prefilling there."""
+
+    compute_ms: float
+    own_wait_ms: float
+    harm_ms: float
+    slow_steps: int
+    harm: float
+    leg: PrefillLeg
+    work_ms: float
+
+
+class DecodeTerms(NamedTuple):
+    """The turn's decode leg sent to one worker: the terms of every handoff there."""
+
+    lacking: int  # the prompt tokens it lacks, to transfer
+    queue_ms: float
+    slot_ms: float
+    first_step_ms: float
+    exposure: float
+    pace: float
 
 
 class Candidate:

@@ -79,11 +79,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from policies.adaptive_candidate import Candidate
+from policies.adaptive_candidate import Candidate, PrefillTerms
 from policies.adaptive_ledgers import StallLedger as StallLedger
 from policies.adaptive_ledgers import slow_gap_budget as slow_gap_budget
 from policies.adaptive_streams import StreamLedger
-from policies.adaptive_terms import PrefillTerms, TurnTerms
+from policies.adaptive_terms import TurnTerms
 from policies.estimates import Estimates, PrefillLeg
 from policies.types import Action, ClusterView, Turn, WorkerView
 

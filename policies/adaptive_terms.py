@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import NamedTuple
 
+from policies.adaptive_candidate import DecodeTerms, PrefillTerms
 from policies.adaptive_ledgers import (
     LegLedger,
     StallLedger,
@@ -20,36 +20,13 @@ from policies.adaptive_ledgers import (
     slot_wait_ms,
     slow_gap_budget,
 )
+from policies.adaptive_links import exposed_transfer_ms
 from policies.adaptive_work import WorkLedger
 from policies.calibration import queue_ahead
 from policies.estimates import Estimates, PrefillLeg
 from policies.types import ClusterView, LinkView, Turn, WorkerView
 
-LINK_FLOOR_FRACTION = 0.01
 UTILISATION_MAX = 0.9
-
-
-class PrefillTerms(NamedTuple):
-    """The turn's prefill on one worker: the terms of every candidate prefilling there."""
-
-    compute_ms: float
-    own_wait_ms: float
-    harm_ms: float
-    slow_steps: int
-    harm: float
-    leg: PrefillLeg
-    work_ms: float
-
-
-class _Decode(NamedTuple):
-    """The turn's decode leg sent to one worker: the terms of every handoff there."""
-
-    lacking: int  # the prompt tokens it lacks, to transfer
-    queue_ms: float
-    slot_ms: float
-    first_step_ms: float
-    exposure: float
-    pace: float
 
 
 class TurnTerms:
@@ -64,6 +41,8 @@ class TurnTerms:
         "_answer_steps",
         "_backlogs",
         "_cached_resident",
+        "_calmest",
+        "_continuing",
         "_crowding",
         "_decodes",
         "_default_bps",
@@ -92,6 +71,7 @@ class TurnTerms:
         "_stalls",
         "_stream_budget",
         "_uncached_resident",
+        "_view",
         "_work",
     )
 
@@ -109,6 +89,7 @@ class TurnTerms:
         work: WorkLedger | None = None,
         max_seqs: int = 0,
         legs: LegLedger | None = None,
+        continuing: float = 1.0,
     ) -> None:
         prompt = turn.prompt_tokens if turn.prompt_tokens > 0 else 0
         uncached = min(max(turn.uncached_tokens, 0), prompt)
@@ -123,6 +104,10 @@ class TurnTerms:
             ("", 0) if prefix is None else (prefix[0], max(0, min(prefix[1], prompt - 1)))
         )
         self._itl_ms = turn.objectives.itl_ms
+        self._view = view
+        self._continuing = continuing
+        # The three prefill-capable workers with the fewest streams (`_avoided`), once.
+        self._calmest: list[tuple[int, str]] | None = None
         self._objective_ms = turn.objectives.ttft_ms
         self._kv_bytes = view.kv_bytes_per_token
         self._estimates = estimates
@@ -144,7 +129,7 @@ class TurnTerms:
         # Per worker, the terms every candidate placing there shares (the view, estimates
         # and ledgers stay as they are while one turn is scored).
         self._prefills: dict[str, PrefillTerms] = {}
-        self._decodes: dict[str, _Decode] = {}
+        self._decodes: dict[str, DecodeTerms] = {}
         self._crowding: dict[str, float] = {}
         self._backlogs: dict[str, float] = {}
         self._aheads: dict[str, float] = {}
@@ -172,7 +157,7 @@ class TurnTerms:
             )
         return known
 
-    def _decode_on(self, worker: WorkerView) -> _Decode:
+    def _decode_on(self, worker: WorkerView) -> DecodeTerms:
         """The turn's decode leg sent to `worker`, as every handoff there shares it."""
         wid = worker.worker_id
         known = self._decodes.get(wid)
@@ -182,7 +167,7 @@ class TurnTerms:
             batch = self.decode_streams(worker) + 1
             estimates = self._estimates
             context = ((batch - 1) * estimates.mean_context_tokens + self._prompt) / batch
-            known = self._decodes[wid] = _Decode(
+            known = self._decodes[wid] = DecodeTerms(
                 self._prompt - self._cached_at(wid),
                 queue,
                 self._slots[wid],
@@ -244,7 +229,33 @@ class TurnTerms:
         if rate <= 0.0:
             return crowding
         step = self._answer_step(worker)
-        return crowding + rate * self._own_gaps * step / 1000.0 / self._own_budget
+        life_ms = self._own_gaps * step
+        if not hosting and self._continuing < 1.0 and self._avoided(worker):
+            # New sessions' prefills go elsewhere from now on: past the work placed there
+            # already, only the returning sessions' (their cache is there) stall it.
+            backlog = self._backlog_ms(wid)
+            if backlog < life_ms:
+                life_ms = backlog + self._continuing * (life_ms - backlog)
+        return crowding + rate * life_ms / 1000.0 / self._own_budget
+
+    def _avoided(self, worker: WorkerView) -> bool:
+        """Whether the harm bound keeps new sessions' prefills off `worker` once this answer
+        decodes there: one there, beside its streams and the answer, would spend a stream
+        budget more than one on the calmest other prefill-capable worker. Never where the
+        workload's prefills are no slow steps (they harm nothing), where one slow gap fails
+        an answer (a budget of 1: nearly every worker would pass the test), or with fewer
+        than two other prefill-capable workers (measured: on two workers it cost goodput)."""
+        if self._stream_budget <= 1.0 or not self._estimates.typical_prefill_ms > self._itl_ms:
+            return False
+        calmest = self._calmest
+        if calmest is None:
+            hosts = sorted((self.streams(w), w.worker_id) for w in self._view.workers
+                           if w.accepts_new_work and w.role != "decode")  # fmt: skip
+            calmest = self._calmest = hosts[:3]
+        others = [streams for streams, wid in calmest if wid != worker.worker_id]
+        if len(others) < 2:
+            return False
+        return self.decode_streams(worker) + 1 - others[0] >= self._stream_budget
 
     def _answer_step(self, worker: WorkerView) -> float:
         """A decode step on `worker` once the answer joins its streams, at the mean context."""
@@ -268,28 +279,13 @@ class TurnTerms:
         return rate
 
     def transfer_ms(self, src: str, dst: str, nbytes: int, start_ms: float = 0.0) -> float:
-        """Exposed time to move `nbytes` over src -> dst starting `start_ms` from now, given
-        what the ledger holds: the bytes in flight and reserved drain at the link's rate
-        meanwhile (a handoff queued behind long prefills reserves its bytes long before it
-        sends them)."""
-        if nbytes <= 0:
-            return 0.0
-        link = self._links.get((src, dst))
+        """Exposed time to move `nbytes` over src -> dst starting `start_ms` from now
+        (`exposed_transfer_ms`)."""
         measured = self._estimates.link_bps(src, dst)
-        if link is None:
-            return nbytes * 1000.0 / (measured if measured is not None else self._default_bps)
-        rate = link.capacity_bps if link.capacity_bps > 0.0 else link.observed_bps
-        rate = rate if rate > 0.0 else self._default_bps
-        if measured is not None and measured < rate:
-            rate = measured
-        sending = link.bytes_in_flight if link.bytes_in_flight > 0 else 0
-        reserved = link.reserved_bytes if link.reserved_bytes > 0 else 0
-        pending = sending + reserved - rate * start_ms / 1000.0
-        available = rate - pending / self._horizon_s if pending > 0.0 else rate
-        floor = rate * LINK_FLOOR_FRACTION
-        available = available if available > floor else floor
-        latency_s = link.latency_s if 0.0 < link.latency_s < math.inf else 0.0
-        return (latency_s + nbytes / available) * 1000.0
+        link = self._links.get((src, dst))
+        return exposed_transfer_ms(
+            link, measured, self._default_bps, self._horizon_s, nbytes, start_ms
+        )
 
     def _streams_of(self, worker_id: str) -> float:
         """The KV this turn (the context not cached there, the answer) and the decode legs

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import pytest
 
 from policies import (
@@ -21,6 +22,7 @@ from policies import (
 )
 from policies.adaptive import AdaptivePolicy
 from policies.adaptive_scoring import Scorer, StallLedger, slow_gap_budget
+from policies.adaptive_work import WorkLedger
 from tests.policies.views import KV, w
 
 
@@ -187,3 +189,55 @@ def test_returning_turns_teach_no_shared_prefix() -> None:
     assert isinstance(decision, Colocate | Handoff | Recompute)
     policy.observe(_fresh_outcome("r1", cached=4000))
     assert policy.estimates.shared_prefix_tokens == 0.0
+
+
+def fast_itl_turn() -> Turn:
+    """A turn whose ITL objective (50 ms) the workload's typical prefill (~59 ms) outlasts."""
+    return Turn(session_id="s-new", request_id="r-new", prompt_tokens=2000,
+                uncached_tokens=2000, max_tokens=256,
+                objectives=Objectives(ttft_ms=2000.0, itl_ms=50.0), arrival_s=10.0)  # fmt: skip
+
+
+# (streams on m1 and on the other workers, the share of turns continuing a session, the
+# turn's ITL objective, ms of prefill work placed on m1 and not done: the share of the
+# answer's life on m1 whose slow steps count)
+AVOIDED = [
+    pytest.param((40, 0, 0), 0.25, 50.0, 0.0, 0.25, id="new sessions' prefills go elsewhere"),
+    pytest.param((40, 0, 0), 0.0, 50.0, 500.0, None, id="the work placed there still stalls"),
+    pytest.param((40, 0, 0), 1.0, 50.0, 0.0, 1.0, id="every turn continues a session"),
+    pytest.param((0, 0, 0), 0.25, 50.0, 0.0, 1.0, id="m1 is as calm as the others"),
+    pytest.param((40, 0), 0.25, 50.0, 0.0, 1.0, id="one other worker is not enough"),
+    pytest.param((40, 0, 0), 0.25, 100.0, 0.0, 1.0, id="prefills are no slow steps"),
+]
+
+
+@pytest.mark.parametrize(("streams", "continuing", "itl_ms", "backlog_ms", "share"), AVOIDED)
+def test_an_answer_beside_many_streams_meets_only_the_prefills_that_stay(
+    streams: tuple[int, ...], continuing: float, itl_ms: float, backlog_ms: float,
+    share: float | None,
+) -> None:  # fmt: skip
+    """The harm bound keeps new sessions' prefills off a worker with a stream budget more
+    streams than the calmest other: an answer decoded there meets the slow steps already
+    placed there, then the returning sessions' (the `continuing` share) only."""
+    policy = adaptive()
+    cluster = view(*(w(f"m{i + 1}", running=n) for i, n in enumerate(streams)))
+    the_turn = msgspec.structs.replace(
+        fast_itl_turn(), objectives=Objectives(ttft_ms=2000.0, itl_ms=itl_ms)
+    )
+    policy._stalls.place("earlier", "m1", 10.0, 3)
+    work = WorkLedger()
+    work.place("earlier", "m1", 10.0, backlog_ms)
+
+    def exposure(share_continuing: float) -> float:
+        scorer = Scorer(the_turn, cluster, policy.estimates, links={}, horizon_s=1.0,
+                        default_bps=12.5e9, stalls=policy._stalls, work=work,
+                        continuing=share_continuing)  # fmt: skip
+        return scorer.exposure(cluster.workers[0])
+
+    whole = exposure(1.0)
+    assert whole > 0.0
+    if share is None:  # the placed work's time counts whole, the rest at the share
+        step = policy.estimates.decode_step_ms(41, policy.estimates.mean_context_tokens, "m1")
+        life = 255 * step
+        share = (backlog_ms + continuing * (life - backlog_ms)) / life
+    assert exposure(continuing) == pytest.approx(whole * share)
