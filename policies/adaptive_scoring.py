@@ -42,7 +42,11 @@ a g-token answer that may exceed the ITL objective while the p99 of its gaps mee
   legs bring (`kv_crowding`: misses as the cache nears full):
       exposure = rate(d) x (G - 1) x step / B(G) + crowding(d);
   where the turn's own prefill on d is slow (a whole turn), d becomes a host of slow
-  prefills: rate(d) is at least the mean rate of the workers hosting them lately.
+  prefills: rate(d) is at least the mean rate of the workers hosting them lately; where d's
+  streams with the answer exceed the calmest other prefill-capable worker's (of at least
+  two) by B(mean answer) > 1 and the typical prefill is slow, the harm bound keeps new
+  sessions' prefills off d: of the answer's time past the prefill work placed on d (A),
+  only the share c of turns continuing a session counts, (G - 1) x step -> A + c x rest.
 - TTFT risk: 0 up to `RISK_FROM` x the objective, rising linearly to 1 at the objective.
 - H(src, dst, bytes, start) = latency + bytes / available, available = max(1% of rate,
   rate - max(0, bytes in flight + reserved bytes - rate x start) / horizon): what the ledger
