@@ -24,6 +24,7 @@ from policies.adaptive_links import exposed_transfer_ms
 from policies.adaptive_work import WorkLedger
 from policies.calibration import queue_ahead
 from policies.estimates import Estimates, PrefillLeg
+from policies.load import PREFILL_ROLES, can_serve
 from policies.types import ClusterView, LinkView, Turn, WorkerView
 
 UTILISATION_MAX = 0.9
@@ -250,7 +251,7 @@ class TurnTerms:
         calmest = self._calmest
         if calmest is None:
             hosts = sorted((self.streams(w), w.worker_id) for w in self._view.workers
-                           if w.accepts_new_work and w.role != "decode")  # fmt: skip
+                           if can_serve(w, PREFILL_ROLES))  # fmt: skip
             calmest = self._calmest = hosts[:3]
         others = [streams for streams, wid in calmest if wid != worker.worker_id]
         if len(others) < 2:
