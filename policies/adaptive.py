@@ -198,7 +198,7 @@ class AdaptivePolicy:
         objective = turn.objectives.ttft_ms
         self._admission.note(turn.session_id, turn.request_id)
         limit = self._admission.limit_ms(objective)
-        rejected = best.ttft_ms > limit and p.on_infeasible == "reject"
+        rejected = p.on_infeasible == "reject" and self._passing_ttft(best, view, turn) > limit
         # The placed prefill's slow steps expose the answers decoding beside it later on.
         self._stalls.place(
             turn.request_id, None if rejected else best.workers[0], view.now_s, best.slow_steps
@@ -211,6 +211,7 @@ class AdaptivePolicy:
             view.now_s + hold_s,
             best.work_ms,
             self._weigh(best.prefill_ms) if not rejected else 1.0,
+            view.now_s + objective / 1000.0,
         )
         # Its decode leg takes a slot and KV where it goes, unseen until its prefill ends.
         split = not rejected and len(best.workers) > 1
@@ -242,8 +243,22 @@ class AdaptivePolicy:
             reason = f"reject: {verdict}{ms_text(limit)}"
             return Reject(retry_after_s=p.retry_after_s, predicted=predicted, reason=reason)
         if best.ttft_ms > objective:
-            return decision_of(best, predicted, f"best effort, {verdict}{ms_text(objective)}")
-        return decision_of(best, predicted, explain(best, reference, candidates, key, objective))
+            # still due at its objective: behind the turns due earlier, ahead of later ones
+            reason = f"best effort, {verdict}{ms_text(objective)}"
+            return decision_of(best, predicted, reason, objective)
+        reason = explain(best, reference, candidates, key, objective)
+        return decision_of(best, predicted, reason, objective)
+
+    def _passing_ttft(self, best: Candidate, view: ClusterView, turn: Turn) -> float:
+        """`best`'s predicted TTFT where its worker admits the earliest due first (priority
+        scheduling; the decision's `due_ms` is the turn's objective): the turn passes the
+        placed work queued there that is due after it."""
+        worker = view.worker(best.workers[0])
+        if worker is None or not worker.priority_scheduling:
+            return best.ttft_ms
+        due_s = view.now_s + turn.objectives.ttft_ms / 1000.0
+        share = self._work.due_share(worker.worker_id, view.now_s, due_s, turn.request_id)
+        return best.ttft_ms - best.queue_ms * (1.0 - share)
 
     def _weigh(self, prefill_ms: float) -> float:
         """A placed prefill's size in mean placed prefills (`WorkLedger.queued`)."""

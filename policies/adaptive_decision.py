@@ -72,14 +72,20 @@ def ms_text(value: float) -> str:
     return ("0" if text == "-0" else text) + "ms"
 
 
-def decision_of(candidate: Candidate, predicted: Prediction, reason: str) -> Decision:
+def decision_of(
+    candidate: Candidate, predicted: Prediction, reason: str, due_ms: float
+) -> Decision:
     first = candidate.workers[0]
     hold = candidate.hold_ms / 1000.0
     match candidate.action:
         case "colocate":
-            return Colocate(worker=first, predicted=predicted, reason=reason, hold_s=hold)
+            return Colocate(
+                worker=first, predicted=predicted, reason=reason, hold_s=hold, due_ms=due_ms
+            )
         case "recompute":
-            return Recompute(worker=first, predicted=predicted, reason=reason, hold_s=hold)
+            return Recompute(
+                worker=first, predicted=predicted, reason=reason, hold_s=hold, due_ms=due_ms
+            )
         case "handoff":
             return Handoff(
                 prefill_worker=first,
@@ -87,9 +93,14 @@ def decision_of(candidate: Candidate, predicted: Prediction, reason: str) -> Dec
                 predicted=predicted,
                 reason=reason,
                 hold_s=hold,
+                due_ms=due_ms,
             )
         case "migrate":
             return Migrate(
-                source=first, destination=candidate.workers[1], predicted=predicted, reason=reason
+                source=first,
+                destination=candidate.workers[1],
+                predicted=predicted,
+                reason=reason,
+                due_ms=due_ms,
             )
     raise AssertionError(f"no decision for action {candidate.action!r}")

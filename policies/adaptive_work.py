@@ -17,8 +17,9 @@ from policies.types import WorkerView
 
 # Per worker, the placements `WorkLedger.settle` may find queued at a scrape.
 MAX_RECENT = 1024
-# request -> (worker, busy until before it, busy until after it, placed at, work s, weight)
-_WorkEntry = tuple[str, float, float, float, float, float]
+# request -> (worker, busy until before it, busy until after it, placed at, work s, weight,
+# due at)
+_WorkEntry = tuple[str, float, float, float, float, float, float]
 
 
 class WorkLedger:
@@ -58,10 +59,12 @@ class WorkLedger:
         at_s: float,
         work_ms: float,
         weight: float = 1.0,
+        due_s: float | None = None,
     ) -> None:
         """`request_id`'s prefill of `work_ms` placed on `worker` at `at_s` (None or no work:
         nothing placed); `weight`: what it costs a request queued behind it, in typical
-        prefills (`Estimates.queue_wait_ms`)."""
+        prefills (`Estimates.queue_wait_ms`); `due_s`: when its first token is due (`at_s`
+        when not told), which orders it on a worker with priority scheduling."""
         old = self._drop(request_id)
         if old is not None:
             busy = self._busy.get(old[0])
@@ -77,7 +80,8 @@ class WorkLedger:
         if worker in self._busy or len(self._busy) < MAX_TRACKED_WORKERS:
             self._busy[worker] = after
             self._rate_add(worker, at_s, work_s)
-            self._enter(request_id, (worker, before, after, at_s, work_s, weight))
+            due = at_s if due_s is None else due_s
+            self._enter(request_id, (worker, before, after, at_s, work_s, weight, due))
         if len(self._entries) > MAX_TRACKED_REQUESTS:
             for key in list(self._entries)[: MAX_TRACKED_REQUESTS // 4]:
                 self._drop(key)
@@ -203,6 +207,23 @@ class WorkLedger:
         if own >= depth:  # the scrape is older than some of them finished
             return weight * depth / own
         return depth - own + weight
+
+    def due_share(self, worker: str, now_s: float, due_s: float, exclude: str = "") -> float:
+        """Of the placed work `worker` has still to do, the share it does before a turn due at
+        `due_s` when it admits the earliest due first (priority scheduling): the work due no
+        later, and the prefill already running; 1 when none is left."""
+        total = before = 0.0
+        for _, request_id, entry in self._latest(worker):
+            if request_id == exclude:
+                continue
+            left = entry[2] - now_s
+            if left <= 0.0:
+                continue
+            work = entry[4] if entry[4] < left else left
+            total += work
+            if entry[6] <= due_s or entry[1] <= now_s:
+                before += work
+        return before / total if total > 0.0 else 1.0
 
     def backlog_ms(self, worker: str, now_s: float, exclude: str = "") -> float:
         busy = self._busy.get(worker)

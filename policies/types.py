@@ -55,6 +55,9 @@ class WorkerView(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     draining: bool = False
     node: str = ""
     scraped_age_s: float = 0.0
+    # The engine admits queued requests by their `priority` (vLLM's --scheduling-policy
+    # priority), so a decision's `due_ms` orders its queue.
+    priority_scheduling: bool = False
 
     @property
     def accepts_new_work(self) -> bool:
@@ -138,11 +141,15 @@ class Colocate(
     `hold_s` (here and on `Handoff` and `Recompute`): the router holds the turn that long
     before it sends the prefill (the streams decoding on the prefill worker end meanwhile, so
     the prefill's long steps stall none of them); at most the turn's TTFT objective.
+    `due_ms` (on every decision that serves the turn): its first token is due this long after
+    its arrival; workers with priority scheduling then admit it ahead of the requests due
+    later (`engine_priority`). None: no priority is sent, the workers' arrival order holds.
     """
 
     worker: str
     predicted: Prediction = _NO_PREDICTION
     reason: str = ""
+    due_ms: float | None = None
     hold_s: float = 0.0
 
 
@@ -155,6 +162,7 @@ class Handoff(
     decode_worker: str
     predicted: Prediction = _NO_PREDICTION
     reason: str = ""
+    due_ms: float | None = None
     hold_s: float = 0.0
 
 
@@ -167,6 +175,7 @@ class Migrate(
     destination: str
     predicted: Prediction = _NO_PREDICTION
     reason: str = ""
+    due_ms: float | None = None
 
 
 class Recompute(
@@ -177,6 +186,7 @@ class Recompute(
     worker: str
     predicted: Prediction = _NO_PREDICTION
     reason: str = ""
+    due_ms: float | None = None
     hold_s: float = 0.0
 
 
@@ -201,6 +211,13 @@ def hold_of(decision: Decision, ttft_objective_ms: float) -> float:
         return 0.0
     limit = ttft_objective_ms / 1000.0
     return hold if hold < limit else (limit if limit > 0.0 else 0.0)
+
+
+def engine_priority(arrival_s: float, due_ms: float) -> int:
+    """The `priority` a turn's requests carry to workers with priority scheduling: when its
+    first token is due, in whole ms of the clock `arrival_s` is on (wall-clock time in the
+    router, so that its replicas agree), lower first as vLLM admits them."""
+    return round(arrival_s * 1000.0 + due_ms)
 
 
 def action_of(decision: Decision) -> Action:

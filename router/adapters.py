@@ -31,6 +31,16 @@ def encode_body(body: dict[str, Any]) -> bytes:
     return _encode(body)
 
 
+def with_priority(payload: bytes, priority: int, engine: str) -> bytes:
+    """A request body (a JSON object without `priority`) asking an engine with priority
+    scheduling to admit it as `priority` says, lower first; spliced in, not re-encoded.
+    SGLang admits higher values first unless told otherwise, so it gets the negation."""
+    value = -priority if engine == "sglang" else priority
+    start = payload.index(b"{") + 1
+    comma = b"" if payload[start:].lstrip().startswith(b"}") else b","
+    return b'%b"priority":%d%b%b' % (payload[:start], value, comma, payload[start:])
+
+
 def with_usage_requested(body: dict[str, Any]) -> dict[str, Any]:
     """The same streaming request, asking the worker for a final usage chunk.
 

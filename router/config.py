@@ -35,6 +35,10 @@ class WorkerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     nic_gbps: float = 400.0
     id: str = ""
     bootstrap_port: int | None = None  # SGLang's disaggregation bootstrap port
+    # The engine admits queued requests by priority (vLLM --scheduling-policy priority,
+    # SGLang --enable-priority-scheduling): the router sends each turn's due time as its
+    # requests' `priority` where the policy gives one (`due_ms`).
+    priority_scheduling: bool = False
 
     @property
     def worker_id(self) -> str:
@@ -107,6 +111,9 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
         add(f"--{role}", action="append", default=None, metavar="URL",
             help=f"a {role} worker (repeatable)")  # fmt: skip
     add("--engine", choices=["vllm", "sglang"], help="engine of the command-line workers")
+    add("--priority-scheduling", action="store_true", default=None,
+        help="the command-line workers schedule by request priority (vLLM "
+             "--scheduling-policy priority, SGLang --enable-priority-scheduling)")  # fmt: skip
     add("--policy", help="placement policy name, entry point or module:attr")
     add("--policy-param", action="append", default=None, metavar="KEY=VALUE")
     add("--redis", help="embedded | redis://... | rediss://... | unix://... | "
@@ -128,11 +135,13 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
     add("--log-level", choices=["debug", "info", "warning", "error"])
 
 
+def _truthy(raw: str) -> bool:
+    return raw.strip().lower() in ("1", "true", "yes", "on")
+
+
 def _convert(name: str, raw: str) -> Any:
     kind = _SCALARS[name]
-    if kind is bool:
-        return raw.strip().lower() in ("1", "true", "yes", "on")
-    return kind(raw)
+    return _truthy(raw) if kind is bool else kind(raw)
 
 
 def load_config(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> RouterConfig:
@@ -180,11 +189,15 @@ def _command_line_workers(
     args: argparse.Namespace, environ: Mapping[str, str]
 ) -> list[dict[str, Any]]:
     engine = args.engine or environ.get(ENV_PREFIX + "ENGINE") or "vllm"
+    by_priority = args.priority_scheduling
+    if by_priority is None:
+        by_priority = _truthy(environ.get(ENV_PREFIX + "PRIORITY_SCHEDULING", ""))
     workers: list[dict[str, Any]] = []
     for role in ("prefill", "decode", "mixed"):
         urls: Sequence[str] = getattr(args, role) or []
         if not urls:
             env_urls = environ.get(ENV_PREFIX + role.upper())
             urls = [u for u in (env_urls or "").split(",") if u.strip()]
-        workers.extend({"url": url.strip(), "role": role, "engine": engine} for url in urls)
+        workers.extend({"url": url.strip(), "role": role, "engine": engine,
+                        "priority_scheduling": by_priority} for url in urls)  # fmt: skip
     return workers

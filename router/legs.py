@@ -57,6 +57,9 @@ class TurnContext:
     # what the decode worker reported moving (simulated workers say so in headers)
     reported_transfer: tuple[int, float] | None = None
     view: ClusterView | None = field(default=None, repr=False)  # the last decision's
+    # what its requests carry as `priority` to engines with priority scheduling: when its
+    # first token is due (`policies.types.engine_priority`); None: they carry none
+    priority: int | None = None
     _body: dict[str, Any] | None = field(default=None, repr=False)
 
     @property
@@ -110,6 +113,10 @@ class LegRunner:
 
     def send(self, ctx: TurnContext, worker_id: str, payload: bytes) -> Awaitable[UpstreamResponse]:
         """Send a leg; awaited, the worker's status line (connection errors propagate)."""
+        if ctx.priority is not None:
+            spec = self.pool.workers[worker_id].spec
+            if spec.priority_scheduling:
+                payload = adapters.with_priority(payload, ctx.priority, spec.engine)
         return self.pool.upstream.request(
             self.pool.url(worker_id), "POST", ctx.path, ctx.headers, payload
         )

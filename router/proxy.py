@@ -25,6 +25,7 @@ from policies.types import (
     Residency,
     Turn,
     action_of,
+    engine_priority,
 )
 from router.config import RouterConfig
 from router.errors import RouterError, stream_error_frames
@@ -239,6 +240,9 @@ class TurnPipeline:
         elif hasattr(decision, "worker"):
             events.decode_worker = decision.worker
         ctx.view = view  # what the workers looked like is written down after the answer
+        due = getattr(decision, "due_ms", None)
+        if due is not None and ctx.fields.priority is None:  # a client's own priority stays
+            ctx.priority = engine_priority(view.now_s, due)
         if action == "recompute" and ctx.record is not None:
             events.recomputed_tokens = ctx.record.tokens
         return decision

@@ -30,6 +30,7 @@ class RoutingFields(msgspec.Struct):
     messages: list[dict[str, Any]] | None = None
     prompt: str | list[Any] | None = None
     n: int | None = None
+    priority: int | None = None  # the client's own engine priority: the router keeps it
 
     @property
     def wants_usage(self) -> bool:

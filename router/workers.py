@@ -134,6 +134,7 @@ class WorkerPool:
                     draining=state.draining,
                     node=state.spec.node,
                     scraped_age_s=max(0.0, now - load.scraped_at) if load else 0.0,
+                    priority_scheduling=state.spec.priority_scheduling,
                 )
             )
         return tuple(views)

@@ -31,6 +31,10 @@ def add_worker_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--noise", type=float, default=0.02, help="step-time noise sigma")
     parser.add_argument("--eos-probability", type=float, default=0.0)
+    parser.add_argument(
+        "--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+        help="as vLLM's: priority admits requests with the lowest `priority` value first",
+    )  # fmt: skip
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument(
         "--kv-hold-timeout-s", type=float, default=480.0,
@@ -52,6 +56,7 @@ def worker_options(args: argparse.Namespace, port: int) -> WorkerOptions:
         chunked_prefill=args.chunked_prefill,
         eos_probability=args.eos_probability,
         max_model_len=args.max_model_len,
+        scheduling_policy=args.scheduling_policy,
     )
     return WorkerOptions(
         engine=engine,

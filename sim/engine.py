@@ -13,6 +13,7 @@ import random
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from sim.clock import Clock
 from sim.engine_types import EngineRequest, HeldBlocks, RequestStats, SeqState, StepOutput
@@ -48,6 +49,9 @@ class EngineConfig:
     eos_probability: float = 0.0  # per generated token, after min_tokens, unless ignore_eos
     max_model_len: int | None = None  # default: the model's
     num_gpu_blocks_override: int | None = None  # as vLLM's flag: a KV cache of this many blocks
+    # vLLM's --scheduling-policy: "fcfs" admits in arrival order and refuses requests with a
+    # priority; "priority" admits the lowest priority value first, arrival order among equals.
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -61,6 +65,10 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be in [1, {limit}], got {self.max_model_len}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError("num_gpu_blocks_override must be >= 1")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}"
+            )
 
 
 class Engine:
@@ -152,11 +160,15 @@ class Engine:
             raise ValueError("min_tokens must be between 0 and max_tokens")
         if not 0 <= request.preloaded_tokens <= len(request.prompt_token_ids):
             raise ValueError("preloaded_tokens must be between 0 and the prompt length")
+        if request.priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(
+                f"Got priority {request.priority} but Priority scheduling is not enabled."
+            )  # vLLM's words
         seq = SeqState(request, self._words.request_key(request.request_id))
         if request.block_hashes:
             seq.hashes = self._given_hashes(seq.tokens, request.block_hashes)
         self._live[request.request_id] = seq
-        self._waiting.append(seq)
+        self._enqueue(seq)
 
     def _given_hashes(self, prompt: list[int], given: list[int]) -> list[int]:
         """The caller's prompt block hashes, up to the prompt's full blocks, spot-checked."""
@@ -307,7 +319,28 @@ class Engine:
         seq.num_computed = 0
         seq.preemptions += 1
         self.num_preemptions += 1
-        self._waiting.appendleft(seq)
+        self._enqueue(seq, ahead_of_equals=True)
+
+    def _enqueue(self, seq: SeqState, ahead_of_equals: bool = False) -> None:
+        """Into the waiting queue: at its end (a preempted request at its head), or under the
+        priority policy after every request of a lower value (before its equals when preempted)."""
+        waiting = self._waiting
+        if self.config.scheduling_policy == "fcfs" or not waiting:
+            if ahead_of_equals:
+                waiting.appendleft(seq)
+            else:
+                waiting.append(seq)
+            return
+        priority = seq.request.priority
+        index = len(waiting)
+        # from the back: requests mostly arrive in deadline order, so this stops early
+        while index > 0 and (
+            waiting[index - 1].request.priority >= priority
+            if ahead_of_equals
+            else waiting[index - 1].request.priority > priority
+        ):
+            index -= 1
+        waiting.insert(index, seq)
 
     # -- held prefill legs (P/D) ----------------------------------------------------------------
     def _hold(self, seq: SeqState, now: float) -> None:

@@ -18,6 +18,9 @@ class EngineRequest:
     ignore_eos: bool = False
     hold_blocks_on_finish: bool = False  # P/D prefill leg (do_remote_decode)
     preloaded_tokens: int = 0  # KV for this many leading prompt tokens was pulled
+    # Under the "priority" scheduling policy, lower values are admitted first (vLLM's request
+    # `priority`); equal values keep their arrival order.
+    priority: int = 0
     # The prompt's chained block hashes (`sim.kvcache.extend_block_hashes` at the engine's
     # block size), when the caller has them already: legs and turns of one prompt share them.
     block_hashes: list[int] | None = None

@@ -62,15 +62,16 @@ class ParsedRequest:
     min_tokens: int
     ignore_eos: bool
     kv_transfer_params: dict[str, Any] | None
+    priority: int = 0
 
 
-def _int_field(body: dict[str, Any], name: str, minimum: int) -> int | None:
+def _int_field(body: dict[str, Any], name: str, minimum: int | None) -> int | None:
     value = body.get(name)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
         raise OpenAIError(400, f"{name} must be an integer, got {value!r}", name)
-    if value < minimum:
+    if minimum is not None and value < minimum:
         raise OpenAIError(400, f"{name} must be at least {minimum}, got {value}.", name)
     return value
 
@@ -148,6 +149,7 @@ def parse_request(raw: bytes, kind: Kind, served_model: str) -> ParsedRequest:
         min_tokens=min_tokens,
         ignore_eos=bool(body.get("ignore_eos", False)),
         kv_transfer_params=kv_params,
+        priority=_int_field(body, "priority", None) or 0,
     )
 
 

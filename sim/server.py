@@ -165,6 +165,12 @@ class SimWorker:
             problem = self.engine.validate(prompt_len, max_tokens)
             if problem is not None:
                 raise OpenAIError(400, problem, "messages" if kind == "chat" else "prompt")
+            if parsed.priority != 0 and self.engine.config.scheduling_policy != "priority":
+                raise OpenAIError(
+                    400,
+                    f"Got priority {parsed.priority} but Priority scheduling is not enabled.",
+                    "priority",
+                )
         except OpenAIError as exc:
             return _error_response(exc.status, exc.body())
         client_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
@@ -184,6 +190,7 @@ class SimWorker:
                 hold_blocks_on_finish=hold,
                 preloaded_tokens=pull.preloaded_tokens if pull else 0,
                 block_hashes=ingested.block_hashes,
+                priority=parsed.priority,
             )
         )
         self.runner.wake()

@@ -96,6 +96,7 @@ class Cluster:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 chunked_prefill=config.chunked_prefill,
                 eos_probability=config.eos_probability,
+                scheduling_policy=config.scheduling_policy,
             )
             engine = Engine(engine_config, loop.clock, engine_id=worker_id)
             engine.held_timeout_s = config.kv_hold_timeout_s

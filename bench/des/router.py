@@ -31,7 +31,7 @@ from bench.des.config import SimConfig
 from bench.des.ledger import LinkLedger, router_links
 from bench.des.loop import EventLoop
 from bench.des.results import PolicyError, PolicyFailure, PolicyStage
-from bench.des.turns import DoneCallback, Flight, TurnRequest
+from bench.des.turns import DoneCallback, Flight, TurnRequest, priority_of
 from bench.des.views import ViewBuilder
 from bench.metrics import RequestResult, Status, predicted_ttft
 from policies.base import Policy
@@ -129,7 +129,8 @@ class SimRouter:
         events.worker_waiting_at_start = queue_ahead(prefill_view) if prefill_view else 0
         if action == "recompute" and residency is not None:
             events.recomputed_tokens = residency.tokens
-        flight = Flight(req, turn, residency, events)
+        flight = Flight(req, turn, residency, events,
+                        priority_of(decision, now, self._config.scheduling_policy))  # fmt: skip
         hold = hold_of(decision, turn.objectives.ttft_ms)
         if hold > 0.0:
             # As the live router: the turn waits in the router, then goes out as decided.
@@ -206,6 +207,7 @@ class SimRouter:
             prompt_token_ids=req.prompt, max_tokens=max_tokens,
             arrival_time=self._clock.now(), ignore_eos=True, hold_blocks_on_finish=hold,
             preloaded_tokens=preload, block_hashes=self._block_hashes(req),
+            priority=flight.priority,
         )  # fmt: skip
         problem = self._cluster.submit(leg, request)
         if problem is None:

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from bench.des.ledger import Reservation
 from bench.metrics import RequestResult
-from policies.types import Residency, Turn
+from policies.types import Decision, Residency, Turn, engine_priority
 from router.events import StageEvents
 
 
@@ -38,6 +38,15 @@ class TurnRequest:
         self.sent_at = 0.0
 
 
+def priority_of(decision: Decision, arrival_s: float, scheduling_policy: str) -> int:
+    """What a decided turn's requests carry as `priority`: its due time where the engines
+    schedule by priority and the decision says when it is due, else 0 (arrival order)."""
+    due = getattr(decision, "due_ms", None)
+    if scheduling_policy != "priority" or due is None:
+        return 0
+    return engine_priority(arrival_s, due)
+
+
 # on_done(request, result, generated token ids or None)
 DoneCallback = Callable[[TurnRequest, RequestResult, list[int] | None], None]
 
@@ -45,13 +54,14 @@ DoneCallback = Callable[[TurnRequest, RequestResult, list[int] | None], None]
 class Flight:
     """A placed turn's state between its legs."""
 
-    __slots__ = ("decode", "events", "first_at", "first_token", "held", "preload", "pull_bytes",
-                 "pull_started", "reported", "req", "reservation", "residency", "served_by",
-                 "turn")  # fmt: skip
+    __slots__ = ("decode", "events", "first_at", "first_token", "held", "preload", "priority",
+                 "pull_bytes", "pull_started", "reported", "req", "reservation", "residency",
+                 "served_by", "turn")  # fmt: skip
 
     def __init__(
-        self, req: TurnRequest, turn: Turn, residency: Residency | None, events: StageEvents
-    ) -> None:
+        self, req: TurnRequest, turn: Turn, residency: Residency | None, events: StageEvents,
+        priority: int = 0,
+    ) -> None:  # fmt: skip
         self.req = req
         self.turn = turn
         self.residency = residency
@@ -66,3 +76,4 @@ class Flight:
         self.preload = 0
         self.pull_bytes = 0
         self.pull_started = 0.0
+        self.priority = priority  # what its requests carry to engines with priority scheduling

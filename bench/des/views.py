@@ -19,6 +19,7 @@ class ViewBuilder:
         self._ids = config.worker_ids
         self._roles = config.roles
         self._interval = config.scrape_interval_s
+        self._by_priority = config.scheduling_policy == "priority"
         self._cluster = cluster
         cluster.on_first_token = self.begin
         self._ledger = ledger
@@ -89,6 +90,7 @@ class ViewBuilder:
                 inflight=inflight[i],
                 started_since_scrape=started[i],
                 scraped_age_s=age,
+                priority_scheduling=self._by_priority,
             )
             for i, (worker_id, (running, waiting, kv_usage)) in enumerate(
                 zip(self._ids, self._loads, strict=True)

@@ -247,6 +247,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     add("--max-num-batched-tokens", type=int, default=8192, help="engines' token budget a step")
     add("--max-num-seqs", type=int, default=256, help="engines' running requests at most")
+    add("--scheduling-policy", choices=("fcfs", "priority"), default="priority",
+        help="the engines' (vLLM's --scheduling-policy); requests without a due time keep "
+             "arrival order under priority too")  # fmt: skip
     add("--splits", type=ints, default=(1, 2, 3, 4), help="disaggregate prefill workers")
     add("--thresholds", type=ints, default=(256, 1024, 4096, 16384))
     add("--prompts", type=ints, default=(512, 4096, 16384), help="matrix prompt tokens")
@@ -303,6 +306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cluster=cluster, roles=tuple(worker_roles("colocate", cluster.workers)),
         chunked_prefill=args.chunked_prefill, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        scheduling_policy=args.scheduling_policy,
     )  # fmt: skip
     workloads = workloads_of(args)
     started = time.monotonic()
@@ -323,7 +327,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"decode workers (K = {default_prefill_workers(cluster.workers)} unless named).",
         f"Engines: at most {args.max_num_seqs} running requests and "
         f"{args.max_num_batched_tokens} tokens a step; chunked prefill "
-        f"{args.chunked_prefill or 'off'}.",
+        f"{args.chunked_prefill or 'off'}; scheduling policy {args.scheduling_policy} (only "
+        "adaptive's decisions carry due times: the baselines' requests keep arrival order).",
         f"Each probe replays {args.span_s:g} s of scaled arrivals: trace turns (at least "
         f"{args.limit}); matrix sessions (at least {args.class_turns} turns a class; Poisson, "
         f"{args.session_rate:g}/s at scale 1; think {args.think_s:g} s; seed {args.seed}).",

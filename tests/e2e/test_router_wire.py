@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -156,3 +157,36 @@ async def test_a_local_tokenizer_file_gives_exact_prompt_counts(
     event = decisions["decisions"][0]
     assert usage["prompt_tokens"] == 321
     assert event["estimated_prompt_tokens"] == 321
+
+
+@pytest.mark.parametrize(
+    ("policy", "flag", "client_priority", "sent"),
+    [
+        ("adaptive", True, None, "due"),  # when the first token is due, in unix ms
+        ("adaptive", False, None, None),  # the worker does not schedule by priority
+        ("colocate", True, None, None),  # a policy that gives no due time
+        ("adaptive", True, 7, 7),  # the client's own priority stays as it is
+    ],
+)
+async def test_a_turn_tells_a_priority_scheduling_worker_when_it_is_due(
+    recorder: RecordingWorker, start_router: StartRouter, policy: str, flag: bool,
+    client_priority: int | None, sent: int | str | None,
+) -> None:  # fmt: skip
+    args = ["--mixed", recorder.url, "--policy", policy]
+    router = await asyncio.to_thread(start_router, *args, *(["--priority-scheduling"] * flag))
+    body: dict[str, Any] = {"messages": MESSAGES, "max_tokens": 3}
+    if client_priority is not None:
+        body["priority"] = client_priority
+    async with aiohttp.ClientSession() as http:
+        sent_at = time.time()
+        async with http.post(router.url + "/v1/chat/completions", json=body,
+                             headers={"X-SLO-TTFT-Ms": "2500"}) as response:  # fmt: skip
+            assert response.status == 200, await response.text()
+    received = recorder.received[-1]
+    if sent == "due":
+        assert sent_at * 1000 + 2499 <= received.body["priority"] <= received.at * 1000 + 2501
+    elif sent is None:
+        assert "priority" not in received.body
+    else:
+        assert received.body["priority"] == sent
+    assert received.body["messages"] == MESSAGES  # the rest of the body is untouched

@@ -75,7 +75,10 @@ def turn(prompt: int, uncached: int, ttft_ms: float = 1000.0, itl_ms: float = 50
 
 
 def bare(decision: Decision) -> Decision:
-    return msgspec.structs.replace(decision, predicted=Prediction(), reason="")
+    """The placement alone: without the terms, the reason and the due time."""
+    if isinstance(decision, Reject):
+        return msgspec.structs.replace(decision, predicted=Prediction(), reason="")
+    return msgspec.structs.replace(decision, predicted=Prediction(), reason="", due_ms=None)
 
 
 LINKS = mesh("p1", "d1", "d2")
@@ -306,6 +309,8 @@ def test_decision(
     decision = create_policy("adaptive", params).decide(the_turn, cluster)
     assert bare(decision) == expected
     assert decision.reason
+    if not isinstance(decision, Reject):  # served turns are due at their TTFT objective
+        assert decision.due_ms == the_turn.objectives.ttft_ms
 
 
 def test_handoff_carries_its_terms_and_names_them() -> None:

@@ -75,3 +75,25 @@ def test_the_prefill_reply_says_what_its_worker_found_cached(
 ) -> None:
     raw = json.dumps({"choices": [], "usage": usage}).encode()
     assert adapters.parse_prefill_reply(raw).cached_tokens == cached
+
+
+@pytest.mark.parametrize(
+    ("payload", "engine", "expected"),
+    [
+        (
+            b'{"model":"m","stream":true}',
+            "vllm",
+            {"priority": 1700000002500, "model": "m", "stream": True},
+        ),
+        (b"{}", "vllm", {"priority": 1700000002500}),
+        (b" \n{ }", "vllm", {"priority": 1700000002500}),
+        # SGLang admits higher values first: the turn due first gets the highest
+        (b'{"model":"m"}', "sglang", {"priority": -1700000002500, "model": "m"}),
+    ],
+)
+def test_a_due_priority_is_spliced_into_the_body(
+    payload: bytes, engine: str, expected: dict[str, object]
+) -> None:
+    out = adapters.with_priority(payload, 1700000002500, engine)
+    assert json.loads(out) == expected
+    assert out.endswith(payload[payload.index(b"{") + 1 :])  # the rest stays byte for byte

@@ -78,3 +78,27 @@ def test_unknown_toml_keys_are_refused(tmp_path: Path) -> None:
     toml.write_text('prot = 1\n[[workers]]\nurl = "http://a:1"\n')
     with pytest.raises(ConfigError, match="prot"):
         load_config(parse("--config", str(toml)), environ={})
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "toml", "expected"),
+    [
+        ((), {}, "", False),
+        (("--priority-scheduling",), {}, "", True),
+        ((), {"SESSION_ROUTER_PRIORITY_SCHEDULING": "1"}, "", True),
+        ((), {"SESSION_ROUTER_PRIORITY_SCHEDULING": "0"}, "", False),
+        ((), {}, "priority_scheduling = true\n", True),  # per worker in the file
+    ],
+    ids=["default", "flag", "environment", "environment off", "file"],
+)
+def test_which_workers_schedule_by_priority(
+    tmp_path: Path, argv: tuple[str, ...], environ: dict[str, str], toml: str, expected: bool
+) -> None:
+    if toml:
+        path = tmp_path / "router.toml"
+        path.write_text(f'[[workers]]\nurl = "http://a:1"\n{toml}')
+        argv = (*argv, "--config", str(path))
+    else:
+        argv = (*argv, "--mixed", "http://a:1")
+    (worker,) = load_config(parse(*argv), environ=environ).workers
+    assert worker.priority_scheduling is expected

@@ -409,3 +409,46 @@ def test_preemption_picks_the_most_recently_admitted() -> None:
     assert tokens["second"] == words.token_ids_for(words.words("second", 0, 40))
     # the victim waited for the survivor to finish, then recomputed prompt + 17 generated
     assert stats_of(done["first"]).finished_time < stats_of(done["second"]).finished_time
+
+
+@pytest.mark.parametrize(
+    ("policy", "priorities", "admitted"),
+    [
+        # arrival order, whatever the requests say: fcfs refuses priorities, see below
+        ("fcfs", [0, 0, 0, 0], ["r0", "r1", "r2", "r3"]),
+        # the lowest value first; equal values in arrival order
+        ("priority", [30, 10, 20, 10], ["r1", "r3", "r2", "r0"]),
+        ("priority", [0, 0, 0, 0], ["r0", "r1", "r2", "r3"]),
+    ],
+)
+def test_the_queue_is_admitted_in_priority_order(
+    policy: str, priorities: list[int], admitted: list[str]
+) -> None:
+    engine, clock = make(max_num_seqs=1, scheduling_policy=policy)
+    engine.add_request(req("busy", 10, max_tokens=3))
+    step(engine, clock)  # "busy" holds the only slot while the others queue
+    for i, priority in enumerate(priorities):
+        engine.add_request(req(f"r{i}", 10 + i, max_tokens=1, priority=priority))
+    done = run(engine, clock)
+    order = sorted(admitted, key=lambda rid: stats_of(done[rid]).first_scheduled_time)
+    assert order == admitted
+
+
+def test_a_preempted_request_goes_ahead_of_its_equals_only() -> None:
+    engine, _ = make(scheduling_policy="priority")
+    for rid, priority in (("early", 1), ("same", 5), ("again", 5), ("late", 9)):
+        engine.add_request(req(rid, 10, max_tokens=1, priority=priority))
+    assert [seq.request_id for seq in engine.waiting] == ["early", "same", "again", "late"]
+    again = engine.waiting[2]
+    del engine.waiting[2]  # as if admitted, then preempted (recompute: it starts over)
+    engine.preempt(again)
+    assert [seq.request_id for seq in engine.waiting] == ["early", "again", "same", "late"]
+
+
+def test_priorities_need_the_priority_policy() -> None:
+    engine, _ = make()
+    with pytest.raises(ValueError, match="Priority scheduling is not enabled"):
+        engine.add_request(req("r", 10, priority=3))
+    engine.add_request(req("zero", 10, priority=0))  # vLLM's default value passes
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        EngineConfig(DEP, scheduling_policy="lifo")  # type: ignore[arg-type]

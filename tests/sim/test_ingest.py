@@ -50,3 +50,12 @@ async def test_a_bad_request_fails_with_vllms_error() -> None:
     with pytest.raises(OpenAIError) as failure:
         await ingest(b"{not json", "chat", "m", 16)
     assert failure.value.status == 400
+
+
+@pytest.mark.parametrize(
+    ("extra", "priority"),
+    [({}, 0), ({"priority": -3}, -3), ({"priority": 1700000002500}, 1700000002500)],
+)
+def test_the_requests_priority_is_read(extra: dict[str, int], priority: int) -> None:
+    raw = json.dumps({"model": "m", "prompt": "hello", **extra}).encode()
+    assert parse_request(raw, "completion", "m").priority == priority

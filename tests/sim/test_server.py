@@ -259,6 +259,9 @@ async def test_ttft_on_idle_worker_matches_the_model(cluster: list[str]) -> None
         ("/v1/completions", b'{"prompt": "hi", "stream_options": {}}', 400, "stream_options"),
         ("/v1/chat/completions", b'{"messages": []}', 400, "messages"),
         ("/v1/completions", b'{"prompt": "hi", "max_tokens": 200000}', 400, "prompt"),
+        # a worker without --scheduling-policy priority refuses priorities, as vLLM does
+        ("/v1/completions", b'{"prompt": "hi", "priority": 5}', 400, "priority"),
+        ("/v1/completions", b'{"prompt": "hi", "priority": "high"}', 400, "priority"),
     ],
 )
 async def test_bad_inputs_get_vllm_errors_and_the_worker_keeps_serving(
