@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import IO
+from typing import IO, Literal
 
 import aiohttp
 import msgspec
@@ -53,6 +53,9 @@ class StackSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     scrape_interval_ms: int = 250
     log_dir: str | None = None
     startup_timeout_s: float = 60.0
+    # the workers' --scheduling-policy; under "priority" the router is told so, and the turns
+    # a policy gives due times to are admitted in the order they are due (as the simulator's)
+    scheduling_policy: Literal["fcfs", "priority"] = "priority"
 
     def __post_init__(self) -> None:
         if len(self.roles) != self.cluster.workers:
@@ -173,6 +176,7 @@ class LocalStack:
             "sim-cluster", "--host", host, "--base-port", str(base),
             "--workers", str(cluster.workers), "--gpu", cluster.gpu, "--model", cluster.model,
             "--tp", str(cluster.tp), "--seed", str(spec.seed),
+            "--scheduling-policy", spec.scheduling_policy,
         ], spec.log_dir)  # fmt: skip
         router = ["serve", "--host", host, "--port", str(self.port), "--redis", "embedded",
                   "--policy", spec.policy, "--first-token", spec.first_token,
@@ -183,6 +187,8 @@ class LocalStack:
             router += ["--policy-param", f"{key}={value}"]
         if spec.events is not None:
             router += ["--events", spec.events]
+        if spec.scheduling_policy == "priority":
+            router.append("--priority-scheduling")
         for role, url in zip(spec.roles, self.worker_urls, strict=True):
             router += [f"--{role}", url]
         self._router = _Child("router", router, spec.log_dir)

@@ -43,7 +43,7 @@ class SimConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     eos_probability: float = 0.0
     # The engines' --scheduling-policy; under "priority" a decision's `due_ms` orders their
     # queues (`policies.types.engine_priority`), and decisions without one keep arrival order.
-    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    scheduling_policy: Literal["fcfs", "priority"] = "priority"
     kv_hold_timeout_s: float = 480.0
     reservation_lease_s: float = 30.0
     ewma_alpha: float = 0.3
