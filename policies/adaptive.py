@@ -30,7 +30,10 @@ view, the estimates, the ledgers and the sessions seen (`policies.admission`), n
 order of the workers.
 When the best candidate misses the objective, the turn is served best effort, unless it misses
 by more than a rejection sheds (`policies.admission`): then it is rejected with `retry_after_s`,
-or served anyway with `on_infeasible=serve`.
+or served anyway with `on_infeasible=serve`. Every served turn is due at its TTFT objective
+(`due_ms`): a worker with priority scheduling admits it ahead of the requests queued there
+but due later, so there the rejection counts only the placed work due before it (and the
+prefill already running); the placement itself is scored first come, first served.
 
 `decide` records the placement in the ledgers under the request id (deciding the same turn
 again replaces it, so it returns the same decision; a split turn's decode leg is counted on
