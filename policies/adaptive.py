@@ -62,7 +62,7 @@ from policies.adaptive_params import AdaptiveParams as AdaptiveParams
 from policies.adaptive_scoring import Scorer
 from policies.adaptive_streams import Leg, StreamLedger
 from policies.adaptive_work import WorkLedger
-from policies.admission import Admission
+from policies.admission import Admission, Deadlines
 from policies.calibration import Average
 from policies.estimates import Estimates, PrefillLeg
 from policies.load import DECODE_ROLES, PREFILL_ROLES, can_serve, load_score, reject_no_worker
@@ -105,6 +105,7 @@ class AdaptivePolicy:
         # Fresh sessions' first turns placed whole: what they find cached is shared.
         self._fresh: dict[str, None] = {}
         self._admission = Admission()
+        self._deadlines = Deadlines()
         # The mean prefill this policy places (predicted when placed): a placed request's
         # size in the queue ahead of later ones, relative to it.
         self._placed_prefill: Average | None = None
@@ -201,7 +202,8 @@ class AdaptivePolicy:
         objective = turn.objectives.ttft_ms
         self._admission.note(turn.session_id, turn.request_id)
         limit = self._admission.limit_ms(objective)
-        rejected = p.on_infeasible == "reject" and self._passing_ttft(best, view, turn) > limit
+        due = self._deadlines.due_ms(objective, fresh=residency is None)
+        rejected = p.on_infeasible == "reject" and self._passing_ttft(best, view, due, turn) > limit
         # The placed prefill's slow steps expose the answers decoding beside it later on.
         self._stalls.place(
             turn.request_id, None if rejected else best.workers[0], view.now_s, best.slow_steps
@@ -214,7 +216,7 @@ class AdaptivePolicy:
             view.now_s + hold_s,
             best.work_ms,
             self._weigh(best.prefill_ms) if not rejected else 1.0,
-            view.now_s + objective / 1000.0,
+            view.now_s + due / 1000.0,
         )
         # Its decode leg takes a slot and KV where it goes, unseen until its prefill ends.
         split = not rejected and len(best.workers) > 1
@@ -246,20 +248,20 @@ class AdaptivePolicy:
             reason = f"reject: {verdict}{ms_text(limit)}"
             return Reject(retry_after_s=p.retry_after_s, predicted=predicted, reason=reason)
         if best.ttft_ms > objective:
-            # still due at its objective: behind the turns due earlier, ahead of later ones
+            # still due when it was: behind the turns due earlier, ahead of later ones
             reason = f"best effort, {verdict}{ms_text(objective)}"
-            return decision_of(best, predicted, reason, objective)
+            return decision_of(best, predicted, reason, due)
         reason = explain(best, reference, candidates, key, objective)
-        return decision_of(best, predicted, reason, objective)
+        return decision_of(best, predicted, reason, due)
 
-    def _passing_ttft(self, best: Candidate, view: ClusterView, turn: Turn) -> float:
+    def _passing_ttft(self, best: Candidate, view: ClusterView, due_ms: float, turn: Turn) -> float:
         """`best`'s predicted TTFT where its worker admits the earliest due first (priority
-        scheduling; the decision's `due_ms` is the turn's objective): the turn passes the
-        placed work queued there that is due after it."""
+        scheduling; `due_ms` after now): the turn passes the placed work queued there that is
+        due after it."""
         worker = view.worker(best.workers[0])
         if worker is None or not worker.priority_scheduling:
             return best.ttft_ms
-        due_s = view.now_s + turn.objectives.ttft_ms / 1000.0
+        due_s = view.now_s + due_ms / 1000.0
         share = self._work.due_share(worker.worker_id, view.now_s, due_s, turn.request_id)
         return best.ttft_ms - best.queue_ms * (1.0 - share)
 

@@ -5,7 +5,7 @@ import pytest
 
 from policies import ClusterView, Objectives, Outcome, Reject, Turn, WorkerView, create_policy
 from policies.adaptive_ledgers import MAX_TRACKED_REQUESTS
-from policies.admission import MAX_FACTOR, Admission
+from policies.admission import FRESH_WINDOW, MAX_FACTOR, Admission, Deadlines
 
 
 def _staggered(sessions: int, turns: int, tag: str = "") -> list[tuple[str, str]]:
@@ -118,3 +118,31 @@ def test_a_miss_is_rejected_by_what_rejection_sheds(
     assert isinstance(decision, Reject) is rejected
     if not rejected:
         assert decision.reason.startswith("best effort, best colocate on d1 predicts TTFT")
+
+
+@pytest.mark.parametrize(
+    ("fresh", "objective", "due"),
+    [
+        ((), 14_000.0, 14_000.0),  # no session begun yet: its objective
+        ((1000.0, 4000.0), 3000.0, 3000.0),
+        ((1000.0, 4000.0), 14_000.0, 8000.0),  # at most twice the laxest fresh objective
+    ],
+    ids=["nothing fresh seen", "within the cap", "capped"],
+)
+def test_a_turn_is_due_at_its_objective_within_twice_the_fresh_ones(
+    fresh: tuple[float, ...], objective: float, due: float
+) -> None:
+    deadlines = Deadlines()
+    for fresh_objective in fresh:
+        assert deadlines.due_ms(fresh_objective, fresh=True) == fresh_objective
+    assert deadlines.due_ms(objective, fresh=False) == due
+    assert deadlines.due_ms(objective, fresh=False) == due  # a returning turn moves no cap
+
+
+def test_the_cap_follows_the_recent_fresh_turns() -> None:
+    deadlines = Deadlines()
+    deadlines.due_ms(4000.0, fresh=True)
+    assert deadlines.due_ms(20_000.0, fresh=False) == 8000.0
+    for _ in range(FRESH_WINDOW):
+        deadlines.due_ms(1000.0, fresh=True)
+    assert deadlines.due_ms(20_000.0, fresh=False) == 2000.0  # the 4000 ms one fell out
