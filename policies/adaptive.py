@@ -31,9 +31,10 @@ order of the workers.
 When the best candidate misses the objective, the turn is served best effort, unless it misses
 by more than a rejection sheds (`policies.admission`): then it is rejected with `retry_after_s`,
 or served anyway with `on_infeasible=serve`. Every served turn is due at its TTFT objective
-(`due_ms`): a worker with priority scheduling admits it ahead of the requests queued there
-but due later, so there the rejection counts only the placed work due before it (and the
-prefill already running); the placement itself is scored first come, first served.
+(`due_ms`; at most twice the laxest of the fresh sessions', `policies.admission.Deadlines`): a
+worker with priority scheduling admits it ahead of the requests queued there but due later, so
+there the rejection counts only the placed work due before it (and the prefill already
+running); the placement itself is scored first come, first served.
 
 `decide` records the placement in the ledgers under the request id (deciding the same turn
 again replaces it, so it returns the same decision; a split turn's decode leg is counted on
@@ -203,7 +204,10 @@ class AdaptivePolicy:
         self._admission.note(turn.session_id, turn.request_id)
         limit = self._admission.limit_ms(objective)
         due = self._deadlines.due_ms(objective, fresh=residency is None)
-        rejected = p.on_infeasible == "reject" and self._passing_ttft(best, view, due, turn) > limit
+        rejected = (
+            p.on_infeasible == "reject"
+            and self._passing_ttft(best, view, due, turn.request_id) > limit
+        )
         # The placed prefill's slow steps expose the answers decoding beside it later on.
         self._stalls.place(
             turn.request_id, None if rejected else best.workers[0], view.now_s, best.slow_steps
@@ -254,7 +258,9 @@ class AdaptivePolicy:
         reason = explain(best, reference, candidates, key, objective)
         return decision_of(best, predicted, reason, due)
 
-    def _passing_ttft(self, best: Candidate, view: ClusterView, due_ms: float, turn: Turn) -> float:
+    def _passing_ttft(
+        self, best: Candidate, view: ClusterView, due_ms: float, request_id: str
+    ) -> float:
         """`best`'s predicted TTFT where its worker admits the earliest due first (priority
         scheduling; `due_ms` after now): the turn passes the placed work queued there that is
         due after it."""
@@ -262,7 +268,7 @@ class AdaptivePolicy:
         if worker is None or not worker.priority_scheduling:
             return best.ttft_ms
         due_s = view.now_s + due_ms / 1000.0
-        share = self._work.due_share(worker.worker_id, view.now_s, due_s, turn.request_id)
+        share = self._work.due_share(worker.worker_id, view.now_s, due_s, request_id)
         return best.ttft_ms - best.queue_ms * (1.0 - share)
 
     def _weigh(self, prefill_ms: float) -> float:
