@@ -45,6 +45,7 @@ class MigrateOnSecondTurn:
 class HandoffParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prefill: str
     decode: str
+    due_ms: float | None = None  # when the turn is due, as the decision says
 
 
 class AlwaysHandoff:
@@ -57,7 +58,8 @@ class AlwaysHandoff:
         self._params = params
 
     def decide(self, turn: Turn, view: ClusterView) -> Decision:
-        return Handoff(self._params.prefill, self._params.decode, reason="scripted")
+        params = self._params
+        return Handoff(params.prefill, params.decode, reason="scripted", due_ms=params.due_ms)
 
     def observe(self, outcome: Outcome) -> None:
         return None

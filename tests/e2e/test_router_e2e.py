@@ -306,3 +306,40 @@ async def test_router_inflight_counts_a_turn_while_it_streams(
     assert frames[-1].strip() == b"data: [DONE]"
     assert during == 1.0
     assert after == 0.0
+
+
+async def test_turns_reach_priority_scheduling_workers_with_their_due_times(
+    sim4: SimCluster, start_router: StartRouter
+) -> None:
+    """Workers started with `--scheduling-policy priority` take the due times: adaptive's whole
+    turns and a handoff's two legs; a worker without it refuses them with vLLM's 400, which the
+    client gets as the worker said it: the flag must match how the engines were started."""
+    cluster = start_sim_cluster(2, "--scheduling-policy", "priority")
+    prefill, decode = cluster.urls
+    handoff = ["--policy", "tests.e2e.scripted_policies:AlwaysHandoff", "--policy-param",
+               f"prefill={prefill.split('://')[1]}", "--policy-param",
+               f"decode={decode.split('://')[1]}", "--policy-param", "due_ms=500"]  # fmt: skip
+    try:
+        for policy in (["--policy", "adaptive"], handoff):
+            router = start_router("--prefill", prefill, "--decode", decode, *policy,
+                                  "--priority-scheduling")  # fmt: skip
+            async with aiohttp.ClientSession() as http:
+                for i, words in enumerate((20, 3000)):
+                    content = " ".join(f"d{i}w{j}" for j in range(words))
+                    text, usage, response = await chat(http, router.url,
+                                                       [{"role": "user", "content": content}],
+                                                       max_tokens=4)  # fmt: skip
+                    assert response.status == 200, usage
+                    assert usage["completion_tokens"] == 4 and text
+                _, decisions = await admin_get(http, router.url, router.admin_token,
+                                               "/admin/decisions?limit=2")  # fmt: skip
+            assert {e["outcome"] for e in decisions["decisions"]} == {"completed"}
+        assert {e["action"] for e in decisions["decisions"]} == {"handoff"}
+    finally:
+        cluster.process.stop()
+    mismatched = start_router("--mixed", sim4.urls[0], "--policy", "adaptive",
+                              "--priority-scheduling")  # fmt: skip
+    async with aiohttp.ClientSession() as http:
+        _, refused, response = await chat(http, mismatched.url, [{"role": "user", "content": "hi"}])
+    assert response.status == 400
+    assert "Priority scheduling is not enabled" in refused["error"]["error"]["message"]
