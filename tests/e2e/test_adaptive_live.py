@@ -66,6 +66,6 @@ async def test_bursty_multi_turn_load_gets_colocate_handoff_and_migrate(
         cluster.process.stop()
     outcomes = collections.Counter(event["outcome"] for event in events)
     assert set(statuses) <= {200, 429}
-    assert len(events) == len(statuses)
+    assert len(events) == min(len(statuses), 1000)  # the latest 1000 asked for (ring: 1024)
     assert set(outcomes) <= {"completed", "rejected"}
     assert actions["colocate"] >= 1 and actions["handoff"] >= 1 and actions["migrate"] >= 1
