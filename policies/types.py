@@ -220,6 +220,12 @@ def engine_priority(arrival_s: float, due_ms: float) -> int:
     return round(arrival_s * 1000.0 + due_ms)
 
 
+def decision_priority(decision: Decision, arrival_s: float) -> int | None:
+    """The `engine_priority` of a decision's turn, None where it says no due time."""
+    due: float | None = getattr(decision, "due_ms", None)
+    return None if due is None else engine_priority(arrival_s, due)
+
+
 def action_of(decision: Decision) -> Action:
     """The action word of a decision (its msgspec tag)."""
     tag: Action = type(decision).__struct_config__.tag  # type: ignore[assignment]

@@ -25,7 +25,7 @@ from policies.types import (
     Residency,
     Turn,
     action_of,
-    engine_priority,
+    decision_priority,
 )
 from router.config import RouterConfig
 from router.errors import RouterError, stream_error_frames
@@ -240,9 +240,9 @@ class TurnPipeline:
         elif hasattr(decision, "worker"):
             events.decode_worker = decision.worker
         ctx.view = view  # what the workers looked like is written down after the answer
-        due = getattr(decision, "due_ms", None)
-        if due is not None and ctx.fields.priority is None:  # a client's own priority stays
-            ctx.priority = engine_priority(view.now_s, due)
+        # a client's own priority stays; a retried turn carries its latest decision's
+        own = ctx.fields.priority is not None
+        ctx.priority = None if own else decision_priority(decision, view.now_s)
         if action == "recompute" and ctx.record is not None:
             events.recomputed_tokens = ctx.record.tokens
         return decision

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from bench.des.ledger import Reservation
 from bench.metrics import RequestResult
-from policies.types import Decision, Residency, Turn, engine_priority
+from policies.types import Decision, Residency, Turn, decision_priority
 from router.events import StageEvents
 
 
@@ -41,10 +41,8 @@ class TurnRequest:
 def priority_of(decision: Decision, arrival_s: float, scheduling_policy: str) -> int:
     """What a decided turn's requests carry as `priority`: its due time where the engines
     schedule by priority and the decision says when it is due, else 0 (arrival order)."""
-    due = getattr(decision, "due_ms", None)
-    if scheduling_policy != "priority" or due is None:
-        return 0
-    return engine_priority(arrival_s, due)
+    priority = decision_priority(decision, arrival_s)
+    return 0 if scheduling_policy != "priority" or priority is None else priority
 
 
 # on_done(request, result, generated token ids or None)
