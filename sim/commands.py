@@ -29,6 +29,10 @@ def add_worker_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument(
+        "--num-gpu-blocks-override", type=int, default=None, metavar="N",
+        help="as vLLM's: a KV cache of N blocks in place of what the GPU's memory holds",
+    )  # fmt: skip
     parser.add_argument("--noise", type=float, default=0.02, help="step-time noise sigma")
     parser.add_argument("--eos-probability", type=float, default=0.0)
     parser.add_argument(
@@ -44,20 +48,20 @@ def add_worker_options(parser: argparse.ArgumentParser) -> None:
 
 def worker_options(args: argparse.Namespace, port: int) -> WorkerOptions:
     try:
-        deployment = deployment_from_names(args.gpu, args.model, args.tp)
+        engine = EngineConfig(
+            deployment=deployment_from_names(args.gpu, args.model, args.tp),
+            seed=args.seed,
+            noise_sigma=args.noise,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            chunked_prefill=args.chunked_prefill,
+            eos_probability=args.eos_probability,
+            max_model_len=args.max_model_len,
+            num_gpu_blocks_override=args.num_gpu_blocks_override,
+            scheduling_policy=args.scheduling_policy,
+        )
     except ValueError as exc:
         raise SystemExit(f"session-router: {exc}") from exc
-    engine = EngineConfig(
-        deployment=deployment,
-        seed=args.seed,
-        noise_sigma=args.noise,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        chunked_prefill=args.chunked_prefill,
-        eos_probability=args.eos_probability,
-        max_model_len=args.max_model_len,
-        scheduling_policy=args.scheduling_policy,
-    )
     return WorkerOptions(
         engine=engine,
         host=args.host,

@@ -13,20 +13,23 @@ from tests.e2e.conftest import StartRouter, start_sim_cluster
 from tests.e2e.helpers import admin_get, chat
 
 
-# Up to 20 bursts until a migration shows: 27-94 s on an idle 2-core machine (measured on this
-# test before and after deadline order, five runs), past the suite's 120 s in a loaded CI pass.
+# Bursts until a migration shows: a 1500-block KV cache (24k tokens) per worker holds two or
+# three sessions' contexts, so the bursts crowd the residents' caches (usage past
+# migrate_kv_usage) and moving a long context costs less than recomputing it elsewhere; 3-7
+# migrations a burst here (1 in 5-10 bursts with only queues to drive it, and none in 20 bursts
+# in one CI pass). Each burst takes ~9 s.
 @pytest.mark.timeout(300)
 async def test_bursty_multi_turn_load_gets_colocate_handoff_and_migrate(
     start_router: StartRouter,
 ) -> None:
-    # small batches (4 running per worker) so bursts build queues that make migration pay
-    cluster = start_sim_cluster(4, "--max-num-seqs", "4")
+    cluster = start_sim_cluster(4, "--max-num-seqs", "8", "--num-gpu-blocks-override", "1500")
     prefill, *decode = cluster.urls
     args = ["--prefill", prefill]
     for url in decode:
         args += ["--decode", url]
     router = start_router(*args, "--policy", "adaptive", "--scrape-interval-ms", "50",
-                          "--policy-param", "migrate_queue_threshold=1")  # fmt: skip
+                          "--policy-param", "migrate_queue_threshold=1",
+                          "--policy-param", "migrate_kv_usage=0.5")  # fmt: skip
     rng = random.Random(7)
     statuses: list[int] = []
 
@@ -49,11 +52,8 @@ async def test_bursty_multi_turn_load_gets_colocate_handoff_and_migrate(
     actions: collections.Counter[str] = collections.Counter()
     try:
         async with aiohttp.ClientSession() as http:
-            # Whether a burst builds a queue worth migrating away from depends on timing on a
-            # loaded machine (a burst migrates 0-2 turns; with handoff reservations given back
-            # at the first token, handoffs through the prefill worker, which holds the sessions'
-            # prefixes, often cost less): further bursts of new sessions, until every action
-            # has shown.
+            # Which turns meet a crowded cache depends on timing on a loaded machine: further
+            # bursts of new sessions, until every action has shown.
             for burst in range(20):
                 await asyncio.gather(*(conversation(http, 24 * burst + i) for i in range(24)))
                 _, decisions = await admin_get(http, router.url, router.admin_token,
