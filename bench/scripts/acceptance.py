@@ -38,6 +38,7 @@ from bench.des.goodput import Search, goodput_search
 from bench.layout import ClusterSpec, default_prefill_workers, worker_roles
 from bench.metrics import RunSummary
 from bench.scripts.acceptance_workloads import (
+    REPLICA_SEED_STRIDE,
     MatrixSource,
     Measured,
     Offered,
@@ -51,6 +52,7 @@ from bench.scripts.acceptance_workloads import (
     variants,
 )
 from bench.simulate import GOODPUT_TARGET, PolicyRun, plan_runs, run_one
+from bench.traces import Trace
 from bench.workloads import WorkloadSpec
 
 _SOURCES: dict[str, TraceSource | MatrixSource] = {}
@@ -60,12 +62,34 @@ def _init(sources: dict[str, TraceSource | MatrixSource]) -> None:
     _SOURCES.update(sources)
 
 
-def _probe(workload: str, run: PolicyRun, scale: float) -> tuple[RunSummary, Offered, str | None]:
-    trace = _SOURCES[workload].at(scale)
-    outcome = run_one(trace, run, scale)
+def _probe(
+    workload: str, run: PolicyRun, scale: float, replicas: int = 1
+) -> tuple[RunSummary, Offered, str | None]:
+    """`replicas` replays at `scale`, each with its own seeds; the first's summary, the
+    attainment pooled over all (an edge rate's verdict rests on more than one draw)."""
+    source = _SOURCES[workload]
+    requests = good = 0
+    first: tuple[RunSummary, Trace] | None = None
+    for replica in range(replicas):
+        trace = source.at(scale, replica)
+        seed = run.config.seed + REPLICA_SEED_STRIDE * replica
+        config = msgspec.structs.replace(run.config, seed=seed)
+        outcome = run_one(trace, msgspec.structs.replace(run, config=config), scale)
+        if outcome.failure is not None:
+            failure = outcome.failure.describe()
+            return outcome.summary, _offered(outcome.summary, trace, scale, 1), failure
+        requests += outcome.summary.requests
+        good += outcome.summary.good
+        first = first or (outcome.summary, trace)
+    assert first is not None
+    summary, trace = first
+    pooled = msgspec.structs.replace(summary, slo_attainment=good / requests if requests else 0.0)
+    return summary, _offered(pooled, trace, scale, replicas), None
+
+
+def _offered(summary: RunSummary, trace: Trace, scale: float, replicas: int) -> Offered:
     rps = trace.num_turns * scale / trace.duration_s if trace.duration_s > 0 else 0.0
-    offered = Offered(scale, outcome.summary.slo_attainment, trace.num_turns, rps)
-    return outcome.summary, offered, outcome.failure.describe() if outcome.failure else None
+    return Offered(scale, summary.slo_attainment, trace.num_turns, rps, replicas)
 
 
 class _Search:
@@ -108,10 +132,11 @@ OnProbe = Callable[[str, str, Offered, int, int], None]  # workload, label, prob
 def measure(
     workloads: Sequence[Workload], contenders: Sequence[Variant], template: SimConfig,
     jobs: int, tolerance: float = 0.05, on_probe: OnProbe | None = None,
-    known: Mapping[str, Mapping[str, Measured]] | None = None,
+    known: Mapping[str, Mapping[str, Measured]] | None = None, replicas: int = 1,
 ) -> dict[str, list[Measured]]:  # fmt: skip
     """Every variant's max-goodput search on every workload, by workload, in variant order;
-    `known` results (by workload, then label) are kept, not searched again."""
+    `known` results (by workload, then label) are kept, not searched again; each probe pools
+    `replicas` replays (`_probe`)."""
     known = known or {}
     plans = [_plan(v, template) for v in contenders]
     searches = {
@@ -126,7 +151,7 @@ def measure(
     with ProcessPoolExecutor(jobs, context, _init, (sources,)) as pool:
 
         def submit(search: _Search, scale: float) -> None:
-            pending[pool.submit(_probe, search.workload, search.run, scale)] = search
+            pending[pool.submit(_probe, search.workload, search.run, scale, replicas)] = search
 
         def start_open(group: list[_Search]) -> None:
             """The first open search alone while none is done; then all the others, from the
@@ -209,15 +234,18 @@ def _shortfalls(verdicts: Sequence[Verdict]) -> list[str]:
         if m is None or run is None or run.misses is None:
             continue
         c = run.misses
-        rows.append(f"| {v.workload} | {m.failing_scale:.4g}x | {run.slo_attainment:.2%} | "
+        # pooled over the probe's replicas; the counts are its first replay's
+        good = next(p.attainment for p in m.probes if p.rate_scale == m.failing_scale)
+        rows.append(f"| {v.workload} | {m.failing_scale:.4g}x | {good:.2%} | "
                     f"{run.requests - run.good} of {run.requests} | {c.rejected} | {c.failed} | "
                     f"{c.ttft_late} ({c.ttft_late_foreseen}) | {c.itl_over} |")  # fmt: skip
     if not rows:
         return []
     return [
         "", "## Where adaptive fell short", "",
-        "Its probe at the lowest rate that failed: each request that was not good counted "
-        "once (TTFT late: in parentheses, placed predicting it late, best effort).", "",
+        "Its probe at the lowest rate that failed (good: over all its replays; the counts: "
+        "its first replay's): each request that was not good counted once (TTFT late: in "
+        "parentheses, placed predicting it late, best effort).", "",
         "| workload | rate | good | not good | rejected | failed | TTFT late (foreseen) "
         "| ITL p99 over |", "|---|---:|---:|---:|---:|---:|---:|---:|", *rows,
     ]  # fmt: skip
@@ -265,6 +293,9 @@ def _parser() -> argparse.ArgumentParser:
     add("--remeasure", default="adaptive", help="labels --baselines searches again")
     add("--no-adaptive-split", action="store_true", help="skip adaptive on the fixed split")
     add("--tolerance", type=float, default=0.05, help="search bracket ratio")
+    add("--replicas", type=int, default=1,
+        help="replays per probe, each with its own seeds (matrix sessions, engine noise); "
+             "the attainment is pooled over them")  # fmt: skip
     add("--jobs", type=int, default=2)
     add("--out", type=Path, default=Path("bench-out/acceptance"))
     return parser
@@ -300,7 +331,10 @@ def reused(path: Path, remeasure: str) -> dict[str, dict[str, Measured]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.replicas < 1:
+        parser.error("--replicas must be at least 1")
     cluster = ClusterSpec.parse(args.cluster)
     template = SimConfig(
         cluster=cluster, roles=tuple(worker_roles("colocate", cluster.workers)),
@@ -318,7 +352,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     contenders = variants(args.splits, args.thresholds, not args.no_adaptive_split)
     known = reused(args.baselines, args.remeasure) if args.baselines is not None else None
-    results = measure(workloads, contenders, template, args.jobs, args.tolerance, on_probe, known)
+    results = measure(workloads, contenders, template, args.jobs, args.tolerance, on_probe, known,
+                      args.replicas)  # fmt: skip
     verdicts = [verdict(w, results[w.name]) for w in workloads]
     command = "python -m bench.scripts.acceptance " + " ".join(argv or sys.argv[1:])
     notes = [
@@ -331,7 +366,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "adaptive's decisions carry due times: the baselines' requests keep arrival order).",
         f"Each probe replays {args.span_s:g} s of scaled arrivals: trace turns (at least "
         f"{args.limit}); matrix sessions (at least {args.class_turns} turns a class; Poisson, "
-        f"{args.session_rate:g}/s at scale 1; think {args.think_s:g} s; seed {args.seed}).",
+        f"{args.session_rate:g}/s at scale 1; think {args.think_s:g} s; seed {args.seed}); "
+        f"{args.replicas} replay(s) a probe, replica k with matrix seed {args.seed} + k and "
+        f"engine seeds + {REPLICA_SEED_STRIDE}k, attainment pooled over them.",
         f"Search tolerance {args.tolerance:g}; >= marks a search that never failed. "
         f"{time.monotonic() - started:.0f} s wall clock, {args.jobs} jobs.",
     ]  # fmt: skip

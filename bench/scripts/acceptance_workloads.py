@@ -18,6 +18,9 @@ TRACES = (("mooncake", "mooncake_synthetic_trace.jsonl"),
           ("azure-conv", "azure2023_AzureLLMInferenceTrace_conv.csv"),
           ("azure-code", "azure2023_AzureLLMInferenceTrace_code.csv"))  # fmt: skip
 MULTI_TURN_NEEDS = 1.2
+# Replica k of a probe runs the engines with seeds `seed + REPLICA_SEED_STRIDE * k` (worker i
+# adds i): apart from every other replica's for clusters of fewer workers.
+REPLICA_SEED_STRIDE = 1000
 
 
 class Variant(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -32,13 +35,14 @@ class Variant(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class TraceSource(msgspec.Struct, frozen=True):
-    """A recorded trace; at scale s, its first turns within `span_s` x s s (>= `min_turns`)."""
+    """A recorded trace; at scale s, its first turns within `span_s` x s s (>= `min_turns`);
+    the same turns for every replica (only the engines' noise differs)."""
 
     trace: Trace
     min_turns: int
     span_s: float
 
-    def at(self, scale: float) -> Trace:
+    def at(self, scale: float, replica: int = 0) -> Trace:
         window = self.span_s * scale
         turns = itertools.takewhile(lambda t: t.turn.arrival_s <= window, self.trace.iter_turns())
         return self.trace.slice(max(self.min_turns, sum(1 for _ in turns)))
@@ -46,17 +50,21 @@ class TraceSource(msgspec.Struct, frozen=True):
 
 class MatrixSource(msgspec.Struct, frozen=True):
     """Generated sessions; at scale s, those starting within `span_s` x s s (>= `min_sessions`
-    a class): more sessions extend one arrival sequence (its generator has its own seed)."""
+    a class): more sessions extend one arrival sequence (its generator has its own seed).
+    Replica k draws its sessions with the spec's seed + k."""
 
     spec: WorkloadSpec
     min_sessions: int
     span_s: float
 
-    def at(self, scale: float) -> Trace:
+    def at(self, scale: float, replica: int = 0) -> Trace:
         classes = len(cells(self.spec))
         wanted = math.ceil(self.spec.arrival.rate_rps * scale * self.span_s / classes)
         per_class = max(self.min_sessions, wanted)
-        return generate_matrix(msgspec.structs.replace(self.spec, sessions_per_class=per_class))
+        spec = msgspec.structs.replace(
+            self.spec, sessions_per_class=per_class, seed=self.spec.seed + replica
+        )
+        return generate_matrix(spec)
 
 
 class Workload(msgspec.Struct, frozen=True):
@@ -66,12 +74,15 @@ class Workload(msgspec.Struct, frozen=True):
 
 
 class Offered(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One probe: scale, attainment, turns, arrival rate (turns / their scaled span)."""
+    """One probe: scale, attainment, turns, arrival rate (turns / their scaled span); over
+    `replicas` replays, the attainment pooled (good requests over all) and turns and rate
+    those of the first."""
 
     rate_scale: float
     attainment: float
     turns: int
     rps: float
+    replicas: int = 1
 
 
 def offered_rps(probes: Sequence[Offered], scale: float | None) -> float:

@@ -3,10 +3,32 @@ says where adaptive fell short."""
 
 from __future__ import annotations
 
+import msgspec
+import pytest
+
 from bench.des import SimConfig
 from bench.layout import ClusterSpec, worker_roles
-from bench.scripts.acceptance import _parser, matrix_spec, measure, render, verdict
-from bench.scripts.acceptance_workloads import MULTI_TURN_NEEDS, Variant, matrix_workloads
+from bench.scripts.acceptance import (
+    _init,
+    _parser,
+    _plan,
+    _probe,
+    main,
+    matrix_spec,
+    measure,
+    render,
+    verdict,
+)
+from bench.scripts.acceptance_workloads import (
+    MULTI_TURN_NEEDS,
+    REPLICA_SEED_STRIDE,
+    Variant,
+    matrix_workloads,
+)
+from bench.simulate import run_one
+
+_SMALL = ["--cluster", "2xh200-sxm/llama-3.1-8b", "--prompts", "4096", "--outputs", "64",
+          "--reuse", "none", "--class-turns", "60", "--span-s", "5"]  # fmt: skip
 
 
 def test_single_classes_need_parity_and_the_multi_turn_mix_needs_more() -> None:
@@ -25,10 +47,7 @@ def test_single_classes_need_parity_and_the_multi_turn_mix_needs_more() -> None:
 
 
 def test_the_report_says_why_adaptive_fell_short_where_it_failed() -> None:
-    args = _parser().parse_args(
-        ["--cluster", "2xh200-sxm/llama-3.1-8b", "--prompts", "4096", "--outputs", "64",
-         "--reuse", "none", "--class-turns", "60", "--span-s", "5"]
-    )  # fmt: skip
+    args = _parser().parse_args(_SMALL)
     workloads = matrix_workloads(matrix_spec(args), args.class_turns, args.span_s)
     cluster = ClusterSpec.parse(args.cluster)
     template = SimConfig(cluster=cluster, roles=tuple(worker_roles("colocate", cluster.workers)))
@@ -47,3 +66,32 @@ def test_the_report_says_why_adaptive_fell_short_where_it_failed() -> None:
     shortfall = text.split("## Where adaptive fell short", 1)[1]
     assert (f"| p4096-g64-none | {adaptive.failing_scale:.4g}x | "
             f"{adaptive.failing.slo_attainment:.2%} | {missed} of ") in shortfall  # fmt: skip
+
+
+def test_a_probe_pools_the_attainment_of_its_replicas_each_with_its_own_seeds() -> None:
+    args = _parser().parse_args(_SMALL)
+    [workload] = matrix_workloads(matrix_spec(args), args.class_turns, args.span_s)
+    cluster = ClusterSpec.parse(args.cluster)
+    template = SimConfig(cluster=cluster, roles=tuple(worker_roles("colocate", cluster.workers)))
+    run = _plan(Variant("colocate", "colocate"), template)
+    _init({workload.name: workload.source})
+    scale = 4.0  # past colocate's edge here: the replicas' attainments differ
+    traces = [workload.source.at(scale, replica) for replica in range(3)]
+    assert traces[0].conversations != traces[1].conversations  # its own sessions
+    summaries = []
+    for replica, trace in enumerate(traces):
+        seeded = msgspec.structs.replace(run.config, seed=REPLICA_SEED_STRIDE * replica)
+        summaries.append(run_one(trace, msgspec.structs.replace(run, config=seeded), scale).summary)
+    assert len({s.good for s in summaries}) > 1
+    summary, offered, failure = _probe(workload.name, run, scale, 3)
+    assert failure is None and offered.replicas == 3
+    assert offered.attainment == sum(s.good for s in summaries) / sum(s.requests for s in summaries)
+    assert summary == summaries[0]  # the record of the first replay
+    _, single, _ = _probe(workload.name, run, scale, 1)
+    assert single.attainment == summaries[0].slo_attainment and single.replicas == 1
+
+
+def test_replicas_must_be_at_least_one(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main([*_SMALL, "--replicas", "0"])
+    assert "--replicas must be at least 1" in capsys.readouterr().err
