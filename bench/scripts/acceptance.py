@@ -323,11 +323,22 @@ def workloads_of(args: argparse.Namespace) -> list[Workload]:
     return [w for w in workloads if not only or w.name in only]
 
 
-def reused(path: Path, remeasure: str) -> dict[str, dict[str, Measured]]:
-    """The measurements of an earlier run by workload and label, less those to `remeasure`."""
+def reused(path: Path, remeasure: str, replicas: int = 1) -> dict[str, dict[str, Measured]]:
+    """The measurements of an earlier run by workload and label, less those to `remeasure`;
+    ValueError where one pooled another number of replays a probe than `replicas` (its
+    verdicts would weigh unlike measurements)."""
     done = msgspec.json.decode(path.read_bytes(), type=list[Verdict])
     again = set(remeasure.split(","))
-    return {v.workload: {m.label: m for m in v.measured if m.label not in again} for v in done}
+    kept = {v.workload: {m.label: m for m in v.measured if m.label not in again} for v in done}
+    for workload, measured in kept.items():
+        for m in measured.values():
+            if any(p.replicas != replicas for p in m.probes):
+                raise ValueError(
+                    f"{path}: {workload} / {m.label} was measured with "
+                    f"{m.probes[0].replicas} replays a probe; pass --replicas "
+                    f"{m.probes[0].replicas} or remeasure it"
+                )
+    return kept
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -351,7 +362,12 @@ def main(argv: Sequence[str] | None = None) -> int:
               " good", file=sys.stderr, flush=True)  # fmt: skip
 
     contenders = variants(args.splits, args.thresholds, not args.no_adaptive_split)
-    known = reused(args.baselines, args.remeasure) if args.baselines is not None else None
+    try:
+        known = None
+        if args.baselines is not None:
+            known = reused(args.baselines, args.remeasure, args.replicas)
+    except ValueError as exc:
+        parser.error(str(exc))
     results = measure(workloads, contenders, template, args.jobs, args.tolerance, on_probe, known,
                       args.replicas)  # fmt: skip
     verdicts = [verdict(w, results[w.name]) for w in workloads]

@@ -3,6 +3,8 @@ says where adaptive fell short."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import msgspec
 import pytest
 
@@ -17,6 +19,7 @@ from bench.scripts.acceptance import (
     matrix_spec,
     measure,
     render,
+    reused,
     verdict,
 )
 from bench.scripts.acceptance_workloads import (
@@ -95,3 +98,19 @@ def test_replicas_must_be_at_least_one(capsys: pytest.CaptureFixture[str]) -> No
     with pytest.raises(SystemExit):
         main([*_SMALL, "--replicas", "0"])
     assert "--replicas must be at least 1" in capsys.readouterr().err
+
+
+def test_baselines_measured_with_other_replicas_are_refused(tmp_path: Path) -> None:
+    args = _parser().parse_args(_SMALL)
+    workloads = matrix_workloads(matrix_spec(args), args.class_turns, args.span_s)
+    cluster = ClusterSpec.parse(args.cluster)
+    template = SimConfig(cluster=cluster, roles=tuple(worker_roles("colocate", cluster.workers)))
+    contenders = [Variant("colocate", "colocate"), Variant("adaptive", "adaptive", mixed=True)]
+    results = measure(workloads, contenders, template, jobs=1, tolerance=0.5, replicas=2)
+    path = tmp_path / "acceptance.json"
+    path.write_bytes(msgspec.json.encode([verdict(w, results[w.name]) for w in workloads]))
+    assert {p.replicas for m in results["p4096-g64-none"] for p in m.probes} == {2}
+    kept = reused(path, "adaptive", replicas=2)
+    assert list(kept["p4096-g64-none"]) == ["colocate"]
+    with pytest.raises(ValueError, match="colocate was measured with 2 replays a probe"):
+        reused(path, "adaptive", replicas=1)
