@@ -52,7 +52,6 @@ from bench.scripts.acceptance_workloads import (
     variants,
 )
 from bench.simulate import GOODPUT_TARGET, PolicyRun, plan_runs, run_one
-from bench.traces import Trace
 from bench.workloads import WorkloadSpec
 
 _SOURCES: dict[str, TraceSource | MatrixSource] = {}
@@ -65,31 +64,28 @@ def _init(sources: dict[str, TraceSource | MatrixSource]) -> None:
 def _probe(
     workload: str, run: PolicyRun, scale: float, replicas: int = 1
 ) -> tuple[RunSummary, Offered, str | None]:
-    """`replicas` replays at `scale`, each with its own seeds; the first's summary, the
-    attainment pooled over all (an edge rate's verdict rests on more than one draw)."""
+    """`replicas` replays at `scale`, each with its own seeds: the first's summary, and the
+    attainment pooled over all (an edge rate's verdict rests on more than one draw); where a
+    replay fails, its summary and attainment and the failure."""
     source = _SOURCES[workload]
-    requests = good = 0
-    first: tuple[RunSummary, Trace] | None = None
+    summaries: list[RunSummary] = []
+    turns, rps = 0, 0.0
     for replica in range(replicas):
         trace = source.at(scale, replica)
+        if replica == 0:
+            turns = trace.num_turns
+            rps = turns * scale / trace.duration_s if trace.duration_s > 0 else 0.0
         seed = run.config.seed + REPLICA_SEED_STRIDE * replica
-        config = msgspec.structs.replace(run.config, seed=seed)
-        outcome = run_one(trace, msgspec.structs.replace(run, config=config), scale)
+        seeded = msgspec.structs.replace(run, config=msgspec.structs.replace(run.config, seed=seed))
+        outcome = run_one(trace, seeded, scale)
         if outcome.failure is not None:
-            failure = outcome.failure.describe()
-            return outcome.summary, _offered(outcome.summary, trace, scale, 1), failure
-        requests += outcome.summary.requests
-        good += outcome.summary.good
-        first = first or (outcome.summary, trace)
-    assert first is not None
-    summary, trace = first
-    pooled = msgspec.structs.replace(summary, slo_attainment=good / requests if requests else 0.0)
-    return summary, _offered(pooled, trace, scale, replicas), None
-
-
-def _offered(summary: RunSummary, trace: Trace, scale: float, replicas: int) -> Offered:
-    rps = trace.num_turns * scale / trace.duration_s if trace.duration_s > 0 else 0.0
-    return Offered(scale, summary.slo_attainment, trace.num_turns, rps, replicas)
+            attained = outcome.summary.slo_attainment
+            offered = Offered(scale, attained, turns, rps, replicas)
+            return outcome.summary, offered, outcome.failure.describe()
+        summaries.append(outcome.summary)
+    requests = sum(s.requests for s in summaries)
+    pooled = sum(s.good for s in summaries) / requests if requests else 0.0
+    return summaries[0], Offered(scale, pooled, turns, rps, replicas), None
 
 
 class _Search:
@@ -332,11 +328,11 @@ def reused(path: Path, remeasure: str, replicas: int = 1) -> dict[str, dict[str,
     kept = {v.workload: {m.label: m for m in v.measured if m.label not in again} for v in done}
     for workload, measured in kept.items():
         for m in measured.values():
-            if any(p.replicas != replicas for p in m.probes):
+            other = next((p.replicas for p in m.probes if p.replicas != replicas), None)
+            if other is not None:
                 raise ValueError(
-                    f"{path}: {workload} / {m.label} was measured with "
-                    f"{m.probes[0].replicas} replays a probe; pass --replicas "
-                    f"{m.probes[0].replicas} or remeasure it"
+                    f"{path}: {workload} / {m.label} was measured with {other} replays a "
+                    f"probe; pass --replicas {other} or remeasure it"
                 )
     return kept
 
@@ -362,12 +358,12 @@ def main(argv: Sequence[str] | None = None) -> int:
               " good", file=sys.stderr, flush=True)  # fmt: skip
 
     contenders = variants(args.splits, args.thresholds, not args.no_adaptive_split)
-    try:
-        known = None
-        if args.baselines is not None:
+    known = None
+    if args.baselines is not None:
+        try:
             known = reused(args.baselines, args.remeasure, args.replicas)
-    except ValueError as exc:
-        parser.error(str(exc))
+        except ValueError as exc:
+            parser.error(str(exc))
     results = measure(workloads, contenders, template, args.jobs, args.tolerance, on_probe, known,
                       args.replicas)  # fmt: skip
     verdicts = [verdict(w, results[w.name]) for w in workloads]
