@@ -286,6 +286,7 @@ def comparison_table(summary: Summary, title: str = "bench compare") -> Table:
         ("stalls", [str(r.stalls) for r in runs]),
         ("actions", ["\n".join(f"{a} {n}" for a, n in r.actions.items()) or "-" for r in runs]),
         ("recomputed tokens", [str(r.recomputed_tokens) for r in runs]),
+        ("evicted tokens", [str(r.evicted_tokens) for r in runs]),
         ("transferred GiB", [f"{r.transferred_bytes / 2**30:.2f}" for r in runs]),
         ("exposed xfer p99 ms", [ms(r.exposed_transfer_ms.p99) for r in runs]),
     ]

@@ -21,7 +21,8 @@ each run an object with:
     stalls: int (pooled), recomputed_tokens: int, transferred_bytes: int,
     exposed_transfer_ms: {p50, p99}, actions: {action: count}, per_class: {klass: attainment},
     misses: {rejected, failed, ttft_late, ttft_late_foreseen, itl_over} (`MissCauses`: why the
-    requests that were not good were not; absent in files written before it).
+    requests that were not good were not; absent in files written before it),
+    evicted_tokens: int (`evicted_tokens`; 0 in files written before it).
 Latency statistics cover completed requests only; a statistic with no sample is null, and
 ratios over nothing are 0.0.
 """
@@ -238,6 +239,7 @@ class RunSummary(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_d
     per_class: dict[str, float]
     misses: MissCauses | None = None
     max_goodput_rps: float | None = None  # only by `bench simulate --find-max-goodput`
+    evicted_tokens: int = 0
 
 
 class Summary(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -307,7 +309,33 @@ def summarise(
         actions=dict(sorted(Counter(r.action for r in results if r.action).items())),
         per_class={k: class_good[k] / n for k, n in sorted(class_total.items())},
         misses=_tally(causes),
+        evicted_tokens=evicted_tokens(results),
     )
+
+
+# Prefix caching counts whole KV blocks (16 tokens in vLLM and the simulated workers) and the
+# answer's last token has no KV yet, so a kept context reads a few tokens short of cached.
+EVICTION_SLACK_TOKENS = 32
+
+
+def evicted_tokens(results: Iterable[RequestResult]) -> int:
+    """Context tokens the worker no longer held when the session's next turn came back to it:
+    of each colocated turn following the session's previous completed turn, the context that
+    turn left there (its prompt and answer, at most this prompt) less the tokens the worker
+    reported cached, where more than `EVICTION_SLACK_TOKENS` are missing. The engine's prefix
+    cache evicted them, so the turn prefilled them again: recomputed cache no placement chose
+    (`recomputed_tokens` counts the chosen recomputes)."""
+    done = {(r.session_id, r.turn_index): r for r in results if r.status == "completed"}
+    lost = 0
+    for (session, index), r in done.items():
+        previous = done.get((session, index - 1))
+        if r.action != "colocate" or previous is None or previous.prompt_tokens <= 0:
+            continue
+        kept = min(previous.prompt_tokens + previous.completion_tokens, r.prompt_tokens)
+        missing = kept - r.cached_tokens
+        if missing > EVICTION_SLACK_TOKENS:
+            lost += missing
+    return lost
 
 
 def max_goodput_rate(points: Iterable[tuple[float, float]], target: float = 0.9) -> float | None:

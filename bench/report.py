@@ -103,7 +103,8 @@ def _tables(runs: Sequence[RunSummary], labels: Sequence[str]) -> list[Block]:
         actions = ", ".join(f"{a} {n}" for a, n in run.actions.items()) or _DASH
         exposed = run.exposed_transfer_ms
         placement.append((*key, run.first_token_convention, actions,
-                          str(run.recomputed_tokens), _bytes(run.transferred_bytes),
+                          str(run.recomputed_tokens), str(run.evicted_tokens),
+                          _bytes(run.transferred_bytes),
                           _ms(exposed.p50), _ms(exposed.p99)))  # fmt: skip
     return [
         Heading(2, "Requests and goodput"),
@@ -114,7 +115,8 @@ def _tables(runs: Sequence[RunSummary], labels: Sequence[str]) -> list[Block]:
         Table(("run", "rate", "TTFT p50", "TTFT p90", "TTFT p99", "ITL p50", "ITL p90",
                "ITL p99", "ITL max", "TPOT p50", "TPOT p99", "stalls"), tuple(latency)),
         Heading(2, "Placement (router)"),
-        Table(("run", "rate", "first token", "actions", "recomputed tokens", "transferred",
+        Table(("run", "rate", "first token", "actions", "recomputed tokens",
+               "evicted tokens", "transferred",
                "exposed transfer p50 (ms)", "exposed transfer p99 (ms)"), tuple(placement)),
     ]  # fmt: skip
 

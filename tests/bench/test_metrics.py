@@ -4,7 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
-from msgspec.structs import astuple
+from msgspec.structs import astuple, replace
 
 from bench.metrics import (
     ItlStats,
@@ -17,6 +17,7 @@ from bench.metrics import (
     TtftStats,
     count_stalls,
     encode_summary,
+    evicted_tokens,
     is_good,
     itl_gaps_ms,
     itl_stats,
@@ -228,6 +229,54 @@ def test_summarise_exact() -> None:
     assert s.per_class == {"a": 0.5, "b": 0.0}
     assert s.objectives == Objectives() and s.stall_ms == 250.0
     assert summarise(results, "adaptive", 2.0, 4.0, "decode", stall_ms=200.0).stalls == 1
+
+
+def _turn(
+    index: int, prompt: int, completion: int, cached: int, action: str = "colocate",
+    session: str = "s", status: Status = "completed",
+) -> RequestResult:  # fmt: skip
+    base = _result([10.5, 10.75], prompt=prompt, completion=completion, action=action,
+                   status=status)  # fmt: skip
+    return replace(base, session_id=session, turn_index=index, cached_tokens=cached,
+                   request_id=f"{session}#{index}")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("results", "evicted"),
+    [
+        # the worker kept the first turn's prompt and answer, less a partial block
+        pytest.param([_turn(0, 1000, 500, 0), _turn(1, 1700, 500, 1488)], 0, id="kept"),
+        # it held 600 of the 1500: 900 prefilled again
+        pytest.param([_turn(0, 1000, 500, 0), _turn(1, 1700, 500, 600)], 900, id="evicted"),
+        pytest.param([_turn(0, 1000, 500, 0), _turn(1, 1700, 500, 0)], 1500, id="all gone"),
+        # a recompute elsewhere is chosen, not evicted (recomputed_tokens counts it)
+        pytest.param(
+            [_turn(0, 1000, 500, 0), _turn(1, 1700, 500, 0, "recompute")], 0, id="recompute"
+        ),
+        # after a rejected turn the context is the one before it: nothing to compare with
+        pytest.param(
+            [_turn(0, 1000, 500, 0, status="rejected"), _turn(1, 1700, 500, 0)],
+            0,
+            id="after a rejection",
+        ),
+        # another session's turns are not this one's context
+        pytest.param(
+            [_turn(0, 1000, 500, 0, session="a"), _turn(1, 1700, 500, 0, session="b")],
+            0,
+            id="other session",
+        ),
+        # a prompt shorter than the kept context (the client cut its history) counts itself
+        pytest.param([_turn(0, 1000, 500, 0), _turn(1, 800, 500, 100)], 700, id="shorter"),
+        pytest.param(
+            [_turn(0, 1000, 500, 0), _turn(1, 1700, 500, 1000), _turn(2, 2400, 500, 0)],
+            500 + 2200,
+            id="two turns",
+        ),
+    ],
+)
+def test_evicted_tokens(results: list[RequestResult], evicted: int) -> None:
+    assert evicted_tokens(results) == evicted
+    assert summarise(results, "colocate", 1.0, 1.0, "decode").evicted_tokens == evicted
 
 
 def test_summarise_empty() -> None:

@@ -57,7 +57,7 @@ def test_run_label(runs: list[tuple[str, float]], expected: list[str]) -> None:
 
 
 def test_tables_are_exact() -> None:
-    run = _run(max_goodput_rps=3.25)
+    run = _run(max_goodput_rps=3.25, evicted_tokens=128)
     blocks = build_report(Summary([run]), "T", [], [])
     tables = [b for b in blocks if isinstance(b, Table)]
     outcome, latency, placement, per_class = tables
@@ -67,8 +67,8 @@ def test_tables_are_exact() -> None:
          "0"),
     )  # fmt: skip
     assert placement.rows == (
-        ("colocate", "1x", "decode", "handoff 7, reject 1, colocate 2", "512", "1.50 GiB", "-",
-         "-"),
+        ("colocate", "1x", "decode", "handoff 7, reject 1, colocate 2", "512", "128", "1.50 GiB",
+         "-", "-"),
     )  # fmt: skip
     assert per_class.header == ("class", "colocate")
     assert per_class.rows == (("a", "100%"), ("b", "50%"))
