@@ -14,12 +14,14 @@ resident worker is overloaded (`migrate_queue_threshold` requests waiting or KV 
 session without residency never migrates.
 
 Terms are in expected objective misses: the ITL budgets a prefill's slow steps spend of the
-streams running beside it (harm; behind the prefill work this policy placed on that worker
-and not yet done, `WorkLedger`, it shares slow batched steps), the slow steps the answer will
-meet where it decodes (exposure, from the `StallLedger` of recent placements,
-`stall_window_s`) and the KV cache it would fill there, and the risk to the turn's own TTFT
-objective (its queue: the larger of the learned wait behind the queue depth and the placed
-work ahead); where nothing is at risk, the faster placement that takes less GPU time wins.
+streams running beside it (harm; behind the prefill work this policy placed on that worker and
+not yet done, `WorkLedger`, it shares slow batched steps), the slow steps the answer will meet
+where it decodes (exposure, from the `StallLedger` of recent placements, `stall_window_s`) and
+the KV cache it would fill there, the sessions' contexts the KV it adds evicts from the
+workers' prefix caches (`CacheLedger`: each prefilled again when its session returns), and the
+risk to the turn's own TTFT objective (its queue: the larger of the learned wait behind the
+queue depth and the placed work ahead); where nothing is at risk, the faster placement that
+takes less GPU time wins.
 Choice: the candidate that meets the turn's own objectives (its TTFT, and its ITL: an
 exposure below one slow gap over its budget; at a harm within one expected miss of the
 reference's for a returning session, of the least harmful candidate's for a new one), at the
@@ -41,8 +43,10 @@ again replaces it, so it returns the same decision; a split turn's decode leg is
 its decode worker until its prefill is predicted to end, `LegLedger`); `observe` calibrates
 the estimates, told what the placed prefill leg was assumed to find (a split turn's outcome
 counts the decode leg's cache hit, and the prefill leg's only where its worker reported it),
-takes the finished turn's work off the `WorkLedger`, and learns the prefix fresh sessions
-find cached anywhere (`Estimates.shared_prefix_tokens`).
+takes the finished turn's work off the `WorkLedger`, learns the prefix fresh sessions
+find cached anywhere (`Estimates.shared_prefix_tokens`), and notes when the session's turn
+ended (the `CacheLedger` learns the gaps between a session's turns, up to when the next one's
+prefill begins).
 
 The reference is the colocate on the resident worker, or else the best whole-turn candidate.
 `predicted` is relative to it, in ms: interference_ms = the stall ms past the streams' slack
@@ -56,6 +60,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from policies.adaptive_cache import CacheLedger, kv_capacity_tokens
 from policies.adaptive_candidate import Candidate
 from policies.adaptive_decision import decision_of, explain, ms_text, predicted_terms
 from policies.adaptive_ledgers import LegLedger, StallLedger, forget_oldest
@@ -102,6 +107,9 @@ class AdaptivePolicy:
         self._work = WorkLedger()
         self._coming = LegLedger()
         self._done = StreamLedger(p.stall_window_s)
+        self._cache = CacheLedger(
+            kv_capacity_tokens(p.gpu, p.model, p.tp), p.cache_window_s, p.learning_rate
+        )
         self._now_s = -math.inf  # the latest view's time
         # Fresh sessions' first turns placed whole: what they find cached is shared.
         self._fresh: dict[str, None] = {}
@@ -158,6 +166,7 @@ class AdaptivePolicy:
             done=self._done,
             max_hold_s=p.max_hold_s,
             continuing=self._admission.continuing,
+            cache=self._cache,
         )
         key = _rank_key(turn)
         # A new answer goes where its KV fits: a full cache preempts the streams running there.
@@ -237,6 +246,10 @@ class AdaptivePolicy:
             release = view.now_s + hold_s
             run = (release, release + best.prefill_ms / 1000.0, best.slow_steps)
         self._done.place(turn.request_id, legs, view.now_s, run)
+        self._cache.place(turn.request_id, () if rejected else best.fills, view.now_s)
+        if residency is not None and not rejected:
+            # Its context stayed cached (or not) until its prefill began, after its queue.
+            self._cache.returned(turn.session_id, view.now_s + best.queue_ms / 1000.0)
         self._fresh.pop(turn.request_id, None)
         self._legs.pop(turn.request_id, None)
         if not rejected:
@@ -285,6 +298,7 @@ class AdaptivePolicy:
         placed = self._legs.pop(outcome.request_id, None)
         leg = placed[1] if placed is not None and placed[0] == outcome.action else None
         self.estimates.observe(outcome, leg)
+        self._cache.ended(outcome.request_id, outcome.session_id, self._now_s)
         self._stalls.forget(outcome.request_id)
         self._work.finish(outcome.request_id, self._now_s)
         self._coming.finish(outcome.request_id)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+from policies.adaptive_cache import Fill
 from policies.estimates import PrefillLeg
 from policies.types import Action
 
@@ -46,7 +47,9 @@ class Candidate:
         "compute_ms",
         "cost",
         "decode_ms",
+        "eviction",
         "exposure",
+        "fills",
         "harm",
         "harm_ms",
         "hold_ms",
@@ -87,7 +90,11 @@ class Candidate:
         prefill_ms: float | None = None,
         hold_ms: float = 0.0,
         decode_ms: float = 0.0,
+        fills: tuple[Fill, ...] = (),
+        eviction: float = 0.0,
     ) -> None:
+        # The KV it puts on its workers, and the live contexts that evicts there.
+        self.fills = fills
         self.work_ms = work_ms
         # The router holds the turn this long first (its queue, `queue_ms`, counts it).
         self.hold_ms = hold_ms
@@ -114,15 +121,16 @@ class Candidate:
         # min() and max() spelled out: a turn builds a candidate per placement it weighs.
         risk = (share - RISK_FROM) / (1.0 - RISK_FROM)
         self.risk = (risk if risk < 1.0 else 1.0) if risk > 0.0 else 0.0
-        self.misses = harm + exposure + self.risk
+        self.misses = harm + exposure + eviction + self.risk
         work = compute_ms / objective_ms if objective_ms > 0.0 else math.inf
         pacing = share + WORK_WEIGHT * work + pace
+        self.eviction = eviction
         self.cost = self.misses + TTFT_WEIGHT * (1e9 if pacing > 1e9 else pacing)
 
     @property
     def interference(self) -> float:
-        """I of this placement, in expected misses: what its stalls cost."""
-        return self.harm + self.exposure
+        """I of this placement, in expected misses: what its stalls and evictions cost."""
+        return self.harm + self.exposure + self.eviction
 
     def describe(self) -> str:
         held = f" held {self.hold_ms:.0f}ms" if self.hold_ms > 0.0 else ""

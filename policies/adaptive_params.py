@@ -27,6 +27,8 @@ class AdaptiveParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     shortlist: int = 3
     learning_rate: float = 0.1
     stall_window_s: float = 5.0
+    # How long the share of filled KV that evicts live contexts is remembered (its decay).
+    cache_window_s: float = 10.0
     # The engine's sequence cap (vLLM's --max-num-seqs, 256 by default): past it a request
     # waits for a running stream to finish.
     max_num_seqs: int = 256
@@ -83,6 +85,12 @@ class AdaptiveParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             0.0 < self.stall_window_s < math.inf,
             "stall_window_s",
             self.stall_window_s,
+            "a finite number > 0",
+        )
+        _require(
+            0.0 < self.cache_window_s < math.inf,
+            "cache_window_s",
+            self.cache_window_s,
             "a finite number > 0",
         )
 

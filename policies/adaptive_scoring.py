@@ -47,6 +47,12 @@ a g-token answer that may exceed the ITL objective while the p99 of its gaps mee
   two) by B(mean answer) > 1 and the typical prefill is slow, the harm bound keeps new
   sessions' prefills off d: of the answer's time past the prefill work placed on d (A),
   only the share c of turns continuing a session counts, (G - 1) x step -> A + c x rest.
+- eviction: the KV a candidate fills on each worker w (a whole turn: P - C + G there; a
+  handoff: P - C on p, the tokens d lacks + G on d) comes out of live contexts at the share
+  L(w) = c x exp(-turnover / gap), turnover = (1 - kv_usage) x capacity / the rate this
+  policy fills w, gap = the mean gap between a session's turns (`policies.adaptive_cache`);
+  each evicted token costs what this turn's whole prompt prefilled again on w would, per
+  token: (harm + `TTFT_WEIGHT` x (1 + `WORK_WEIGHT`) x compute / objective) / P.
 - TTFT risk: 0 up to `RISK_FROM` x the objective, rising linearly to 1 at the objective.
 - H(src, dst, bytes, start) = latency + bytes / available, available = max(1% of rate,
   rate - max(0, bytes in flight + reserved bytes - rate x start) / horizon): what the ledger
@@ -70,13 +76,14 @@ Candidates, each with ttft = queue + compute + own wait + H (decode-side terms i
   / R), and no own wait. An answer placed on w while prefills are held for it meets their
   slow steps where its decode overlaps their run: exposure + those steps / B(G).
 
-misses = harm + exposure + TTFT risk; cost = misses + `TTFT_WEIGHT` x ((ttft + `WORK_WEIGHT` x
-compute) / objective + pace), pace = the answer's decode step at R' + 1 streams on d over the
-ITL objective: where nothing is at risk, the faster and cheaper placement wins (GPU time spent
-is time the turns queued behind it wait), and the calmer decode worker. Against the colocated
-reference r, a candidate c wins exactly when I > H + dQ + dC, with I = (harm + exposure)(r) -
-(the same)(c), the misses its separation avoids, and H + dQ + dC = (cost - harm -
-exposure)(c) - (the same)(r), what its transfer, queue, compute and pace add.
+misses = harm + exposure + eviction + TTFT risk; cost = misses + `TTFT_WEIGHT` x ((ttft +
+`WORK_WEIGHT` x compute) / objective + pace), pace = the answer's decode step at R' + 1 streams
+on d over the ITL objective: where nothing is at risk, the faster and cheaper placement wins
+(GPU time spent is time the turns queued behind it wait), and the calmer decode worker. Against
+the colocated reference r, a candidate c wins exactly when I > H + dQ + dC, with I = (harm +
+exposure + eviction)(r) - (the same)(c), the misses its separation avoids, and H + dQ + dC =
+(cost - harm - exposure - eviction)(c) - (the same)(r), what its transfer, queue, compute and
+pace add.
 """
 
 from __future__ import annotations
@@ -131,6 +138,7 @@ class Scorer(TurnTerms):
         first = queue + prefill.compute_ms + prefill.own_wait_ms
         decode = self._own_gaps * self._answer_step(worker)
         exposure = self.exposure(worker, hosting=prefill.slow_steps > 0)
+        fills = ((wid, self.filled_whole(worker)),)
         return Candidate(
             action,
             (wid,),
@@ -147,6 +155,8 @@ class Scorer(TurnTerms):
             pace=self.pace(worker),
             hold_ms=hold,
             decode_ms=decode,
+            fills=fills,
+            eviction=self.eviction(fills),
         )
 
     def handoff(
@@ -174,6 +184,10 @@ class Scorer(TurnTerms):
         waited = decode_queue if decode_queue > 0.0 else 0.0
         decode_ms = self._own_gaps * self._answer_step(decode)
         held_exposure = self._held_exposure(decode.worker_id, ready + waited, decode_ms)
+        fills = (
+            (prefill.worker_id, self._prompt - local.leg.cached),
+            (decode.worker_id, lacking + self._own_gaps + 1),
+        )
         return Candidate(
             action,
             (prefill.worker_id, decode.worker_id),
@@ -194,6 +208,8 @@ class Scorer(TurnTerms):
             prefill_ms=local.compute_ms,
             hold_ms=hold,
             decode_ms=decode_ms,
+            fills=fills,
+            eviction=self.eviction(fills),
         )
 
     def _held_exposure(self, worker_id: str, first_ms: float, decode_ms: float) -> float:

@@ -511,6 +511,8 @@ BAD_PARAMS: list[tuple[Mapping[str, object], str]] = [
     ({"learning_rate": "0"}, "learning_rate must be in (0, 1], got 0.0"),
     ({"stall_window_s": "0"}, "stall_window_s must be a finite number > 0, got 0.0"),
     ({"stall_window_s": "inf"}, "stall_window_s must be a finite number > 0, got inf"),
+    ({"cache_window_s": "0"}, "cache_window_s must be a finite number > 0, got 0.0"),
+    ({"cache_window_s": "nan"}, "cache_window_s must be a finite number > 0, got nan"),
     ({"threshold": "10"}, "unknown parameter 'threshold'"),
 ]
 
