@@ -88,14 +88,17 @@ pace add.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from policies.adaptive_candidate import Candidate, PrefillTerms
+from policies.adaptive_cache import CacheLedger, Fill
+from policies.adaptive_candidate import TTFT_WEIGHT, WORK_WEIGHT, Candidate, PrefillTerms
 from policies.adaptive_ledgers import StallLedger as StallLedger
 from policies.adaptive_ledgers import slow_gap_budget as slow_gap_budget
 from policies.adaptive_streams import StreamLedger
 from policies.adaptive_terms import TurnTerms
 from policies.estimates import Estimates, PrefillLeg
+from policies.load import DECODE_ROLES, can_serve
 from policies.types import Action, ClusterView, Turn, WorkerView
 
 Hold = tuple[float, PrefillTerms]  # a hold's ms, and the held prefill's terms
@@ -105,7 +108,7 @@ class Scorer(TurnTerms):
     """Costs candidates for one turn against one view, from the terms they share
     (`TurnTerms`: each worker's, computed once)."""
 
-    __slots__ = ("_done", "_holds", "_max_hold_ms")
+    __slots__ = ("_cache", "_done", "_holds", "_max_hold_ms", "_refill")
 
     def __init__(
         self,
@@ -115,9 +118,12 @@ class Scorer(TurnTerms):
         *,
         done: StreamLedger | None = None,
         max_hold_s: float = 0.0,
+        cache: CacheLedger | None = None,
         **terms: Any,
     ) -> None:
         super().__init__(turn, view, estimates, **terms)
+        self._cache = cache
+        self._refill: float | None = None
         self._done = done
         self._max_hold_ms = max_hold_s * 1000.0
         self._holds: dict[str, Hold | None] = {}
@@ -211,6 +217,44 @@ class Scorer(TurnTerms):
             fills=fills,
             eviction=self.eviction(fills),
         )
+
+    def eviction(self, fills: tuple[Fill, ...]) -> float:
+        """Expected misses of the KV `fills` puts on its workers: the live contexts it evicts
+        there (`CacheLedger.live_share` of it), each prefilled again when its session returns,
+        as this turn's whole prompt would be on the fleet's workers now (on average: where
+        the sessions it evicts are resident is not known)."""
+        cache = self._cache
+        if cache is None:
+            return 0.0
+        lost = 0.0
+        for wid, tokens in fills:
+            worker = self._view.worker(wid)
+            if worker is None or tokens <= 0:
+                continue
+            lost += tokens * cache.live_share(wid, worker.kv_usage, self._now_s, self._continuing)
+        return lost * self._refill_cost() if lost > 0.0 else 0.0
+
+    def _refill_cost(self) -> float:
+        """Expected misses per token of a context prefilled again: this turn's whole prompt
+        on each worker that can decode, on average."""
+        per_token = self._refill
+        if per_token is None:
+            prompt = self._prompt if self._prompt > 1 else 1
+            objective = self._objective_ms
+            total, count = 0.0, 0
+            for worker in self._view.workers:
+                if not can_serve(worker, DECODE_ROLES):
+                    continue
+                compute, _, _, _, slow = self._local_prefill(worker, prompt, 0)
+                work = (1.0 + WORK_WEIGHT) * compute / objective if objective > 0.0 else math.inf
+                total += self._harm(worker, slow) + TTFT_WEIGHT * work
+                count += 1
+            per_token = self._refill = total / count / prompt if count else 0.0
+        return per_token
+
+    def filled_whole(self, worker: WorkerView) -> int:
+        """The KV a whole turn on `worker` fills there: its prompt not cached, its answer."""
+        return self._prompt - self._cached_at(worker.worker_id) + self._own_gaps + 1
 
     def _held_exposure(self, worker_id: str, first_ms: float, decode_ms: float) -> float:
         """Expected misses of the answer decoding on the worker from `first_ms` for

@@ -11,8 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from policies.adaptive_cache import CacheLedger, Fill
-from policies.adaptive_candidate import TTFT_WEIGHT, WORK_WEIGHT, DecodeTerms, PrefillTerms
+from policies.adaptive_candidate import DecodeTerms, PrefillTerms
 from policies.adaptive_ledgers import (
     LegLedger,
     StallLedger,
@@ -25,7 +24,7 @@ from policies.adaptive_links import exposed_transfer_ms
 from policies.adaptive_work import WorkLedger
 from policies.calibration import queue_ahead
 from policies.estimates import Estimates, PrefillLeg
-from policies.load import DECODE_ROLES, PREFILL_ROLES, can_serve
+from policies.load import PREFILL_ROLES, can_serve
 from policies.types import ClusterView, LinkView, Turn, WorkerView
 
 UTILISATION_MAX = 0.9
@@ -42,7 +41,6 @@ class TurnTerms:
         "_aheads",
         "_answer_steps",
         "_backlogs",
-        "_cache",
         "_cached_resident",
         "_calmest",
         "_continuing",
@@ -66,7 +64,6 @@ class TurnTerms:
         "_prefix",
         "_prompt",
         "_queues",
-        "_refill",
         "_request_id",
         "_resident",
         "_shared",
@@ -94,7 +91,6 @@ class TurnTerms:
         max_seqs: int = 0,
         legs: LegLedger | None = None,
         continuing: float = 1.0,
-        cache: CacheLedger | None = None,
     ) -> None:
         prompt = turn.prompt_tokens if turn.prompt_tokens > 0 else 0
         uncached = min(max(turn.uncached_tokens, 0), prompt)
@@ -141,8 +137,6 @@ class TurnTerms:
         self._stall_rates: dict[str, float] = {}
         self._answer_steps: dict[str, float] = {}
         self._host_rate: float | None = None
-        self._cache = cache
-        self._refill: float | None = None
 
     def _prefill_on(self, worker: WorkerView) -> PrefillTerms:
         """The turn's prefill on `worker` (after what it holds cached), as every candidate
@@ -163,44 +157,6 @@ class TurnTerms:
                 self._estimates.prefill_work_ms(uncached, cached, wid),
             )
         return known
-
-    def eviction(self, fills: tuple[Fill, ...]) -> float:
-        """Expected misses of the KV `fills` puts on its workers: the live contexts it evicts
-        there (`CacheLedger.live_share` of it), each prefilled again when its session returns,
-        as this turn's whole prompt would be on the fleet's workers now (on average: where
-        the sessions it evicts are resident is not known)."""
-        cache = self._cache
-        if cache is None:
-            return 0.0
-        lost = 0.0
-        for wid, tokens in fills:
-            worker = self._view.worker(wid)
-            if worker is None or tokens <= 0:
-                continue
-            lost += tokens * cache.live_share(wid, worker.kv_usage, self._now_s, self._continuing)
-        return lost * self._refill_cost() if lost > 0.0 else 0.0
-
-    def _refill_cost(self) -> float:
-        """Expected misses per token of a context prefilled again: this turn's whole prompt
-        on each worker that can decode, on average."""
-        per_token = self._refill
-        if per_token is None:
-            prompt = self._prompt if self._prompt > 1 else 1
-            objective = self._objective_ms
-            total, count = 0.0, 0
-            for worker in self._view.workers:
-                if not can_serve(worker, DECODE_ROLES):
-                    continue
-                compute, _, _, _, slow = self._local_prefill(worker, prompt, 0)
-                work = (1.0 + WORK_WEIGHT) * compute / objective if objective > 0.0 else math.inf
-                total += self._harm(worker, slow) + TTFT_WEIGHT * work
-                count += 1
-            per_token = self._refill = total / count / prompt if count else 0.0
-        return per_token
-
-    def filled_whole(self, worker: WorkerView) -> int:
-        """The KV a whole turn on `worker` fills there: its prompt not cached, its answer."""
-        return self._prompt - self._cached_at(worker.worker_id) + self._own_gaps + 1
 
     def _decode_on(self, worker: WorkerView) -> DecodeTerms:
         """The turn's decode leg sent to `worker`, as every handoff there shares it."""
