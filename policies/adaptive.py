@@ -44,9 +44,8 @@ its decode worker until its prefill is predicted to end, `LegLedger`); `observe`
 the estimates, told what the placed prefill leg was assumed to find (a split turn's outcome
 counts the decode leg's cache hit, and the prefill leg's only where its worker reported it),
 takes the finished turn's work off the `WorkLedger`, learns the prefix fresh sessions
-find cached anywhere (`Estimates.shared_prefix_tokens`), and notes when the session's turn
-ended (the `CacheLedger` learns the gaps between a session's turns, up to when the next one's
-prefill begins).
+find cached anywhere (`Estimates.shared_prefix_tokens`), and tells the `CacheLedger` when the
+session's turn ended (it learns the gaps until a session's next prefill begins).
 
 The reference is the colocate on the resident worker, or else the best whole-turn candidate.
 `predicted` is relative to it, in ms: interference_ms = the stall ms past the streams' slack

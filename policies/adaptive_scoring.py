@@ -51,8 +51,9 @@ a g-token answer that may exceed the ITL objective while the p99 of its gaps mee
   handoff: P - C on p, the tokens d lacks + G on d) comes out of live contexts at the share
   L(w) = c x exp(-turnover / gap), turnover = (1 - kv_usage) x capacity / the rate this
   policy fills w, gap = the mean gap between a session's turns (`policies.adaptive_cache`);
-  each evicted token costs what this turn's whole prompt prefilled again on w would, per
-  token: (harm + `TTFT_WEIGHT` x (1 + `WORK_WEIGHT`) x compute / objective) / P.
+  each evicted token costs what this turn's whole prompt prefilled again would, per token,
+  on the fleet's decode-capable workers on average (where the sessions it evicts live is not
+  known): (harm + `TTFT_WEIGHT` x (1 + `WORK_WEIGHT`) x compute / objective) / P.
 - TTFT risk: 0 up to `RISK_FROM` x the objective, rising linearly to 1 at the objective.
 - H(src, dst, bytes, start) = latency + bytes / available, available = max(1% of rate,
   rate - max(0, bytes in flight + reserved bytes - rate x start) / horizon): what the ledger
