@@ -21,7 +21,12 @@ from __future__ import annotations
 
 import math
 
-from policies.adaptive_ledgers import forget_oldest
+from policies.adaptive_ledgers import (
+    MAX_TRACKED_WORKERS,
+    decayed_add,
+    decayed_rate,
+    forget_oldest,
+)
 from policies.calibration import Average
 from policies.hardware import gpu_preset, model_preset
 
@@ -59,7 +64,8 @@ class CacheLedger:
         gap = self._gap
         if gap is None or not gap.value > 0.0 or not continuing > 0.0:
             return 0.0
-        rate = self._sum(worker_id, now_s) / self._window_s
+        total, as_of = self._filled.get(worker_id, (0.0, now_s))
+        rate = decayed_rate(total, as_of, now_s, self._window_s, None)
         if not rate > 0.0:
             return 0.0
         free = (1.0 - kv_usage) * self._capacity
@@ -72,7 +78,7 @@ class CacheLedger:
         if earlier is not None:
             at, old = earlier
             for worker_id, tokens in old:
-                self._add(worker_id, -tokens * _decay(now_s - at, self._window_s), now_s)
+                self._add(worker_id, -float(tokens), at)
         for worker_id, tokens in fills:
             self._add(worker_id, float(tokens), now_s)
         self._placed[request_id] = (now_s, fills)
@@ -95,14 +101,8 @@ class CacheLedger:
         self._ended[session_id] = now_s
         forget_oldest(self._ended)
 
-    def _sum(self, worker_id: str, now_s: float) -> float:
-        value, at = self._filled.get(worker_id, (0.0, now_s))
-        return value * _decay(now_s - at, self._window_s)
-
-    def _add(self, worker_id: str, tokens: float, now_s: float) -> None:
-        total = self._sum(worker_id, now_s) + tokens
-        self._filled[worker_id] = (total if total > 0.0 else 0.0, now_s)
-
-
-def _decay(elapsed_s: float, window_s: float) -> float:
-    return math.exp(-elapsed_s / window_s) if elapsed_s > 0.0 else 1.0
+    def _add(self, worker_id: str, tokens: float, at_s: float) -> None:
+        known = self._filled.get(worker_id, (0.0, at_s))
+        total, as_of = decayed_add(*known, at_s, tokens, self._window_s)
+        if worker_id in self._filled or len(self._filled) < MAX_TRACKED_WORKERS:
+            self._filled[worker_id] = (total if total > 0.0 else 0.0, as_of)

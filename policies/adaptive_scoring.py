@@ -109,7 +109,7 @@ class Scorer(TurnTerms):
     """Costs candidates for one turn against one view, from the terms they share
     (`TurnTerms`: each worker's, computed once)."""
 
-    __slots__ = ("_cache", "_done", "_holds", "_max_hold_ms", "_refill")
+    __slots__ = ("_cache", "_done", "_holds", "_max_hold_ms", "_refill", "_shares")
 
     def __init__(
         self,
@@ -125,6 +125,7 @@ class Scorer(TurnTerms):
         super().__init__(turn, view, estimates, **terms)
         self._cache = cache
         self._refill: float | None = None
+        self._shares: dict[str, float] = {}  # per worker, once per turn
         self._done = done
         self._max_hold_ms = max_hold_s * 1000.0
         self._holds: dict[str, Hold | None] = {}
@@ -229,10 +230,14 @@ class Scorer(TurnTerms):
             return 0.0
         lost = 0.0
         for wid, tokens in fills:
-            worker = self._view.worker(wid)
-            if worker is None or tokens <= 0:
-                continue
-            lost += tokens * cache.live_share(wid, worker.kv_usage, self._now_s, self._continuing)
+            share = self._shares.get(wid)
+            if share is None:
+                worker = self._view.worker(wid)
+                usage = worker.kv_usage if worker is not None else 0.0
+                share = cache.live_share(wid, usage, self._now_s, self._continuing)
+                self._shares[wid] = share
+            if tokens > 0:
+                lost += tokens * share
         return lost * self._refill_cost() if lost > 0.0 else 0.0
 
     def _refill_cost(self) -> float:
