@@ -10,8 +10,8 @@ resident worker or to one of the decode shortlist: the `shortlist` least loaded 
 `shortlist` whose recent slow steps least expose an answer decoded there; and, when the
 resident worker is overloaded (`migrate_queue_threshold` requests waiting or KV usage at least
 `migrate_kv_usage`) or cannot serve the turn itself, a migration of its state to one of those
-(run as the router runs it: a handoff from the resident, whose cache holds the context). A
-session without residency never migrates.
+(run as a handoff from the resident, whose cache holds the context); else a handoff prefills
+there only where that is a slow step. A session without residency never migrates.
 
 Terms are in expected objective misses: the ITL budgets a prefill's slow steps spend of the
 streams running beside it (harm; behind the prefill work this policy placed on that worker and
@@ -183,8 +183,7 @@ class AdaptivePolicy:
         candidates = whole + [scorer.whole(w, held) for w, held in holds if held is not None]
         mover = None
         if (
-            residency is not None
-            and source is not None
+            source is not None
             and source.accepts_new_work
             and (resident is None or _overloaded(source, p))
         ):
@@ -194,7 +193,8 @@ class AdaptivePolicy:
                 if destination.kv_usage < p.migrate_kv_usage:
                     candidates.append(scorer.handoff(source, destination, "migrate"))
         for prefill in _prefill_shortlist(prefill_pool, p.shortlist, prefix, scorer):
-            if prefill is mover:
+            # Else the answer (the session) leaves only to get away from a slow prefill.
+            if prefill is mover or (prefill is source and not scorer.slow_prefill(prefill)):
                 continue
             held = scorer.hold(prefill)
             for decode in decode_targets:

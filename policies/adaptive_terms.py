@@ -158,6 +158,10 @@ class TurnTerms:
             )
         return known
 
+    def slow_prefill(self, worker: WorkerView) -> bool:
+        """Whether the turn's prefill on `worker` runs a step past the ITL objective."""
+        return self._prefill_on(worker).slow_steps > 0
+
     def _decode_on(self, worker: WorkerView) -> DecodeTerms:
         """The turn's decode leg sent to `worker`, as every handoff there shares it."""
         wid = worker.worker_id

@@ -362,6 +362,35 @@ def test_migration_moves_the_whole_context_from_the_source() -> None:
     assert decision.reason.startswith("migrate p1->d2: I=0.00 > H+dQ+dC=")
 
 
+@pytest.mark.parametrize(
+    ("uncached", "expected"),
+    [
+        pytest.param(200, Colocate("m1"), id="fast own prefill: the answer stays with its state"),
+        pytest.param(4000, Handoff("m1", "m2"), id="slow own prefill: the answer leaves it"),
+    ],
+)
+def test_an_answer_leaves_its_state_only_beside_its_own_slow_prefill(
+    uncached: int, expected: Decision
+) -> None:
+    # A fresh 4k prompt lands on m1 and will stall its streams. A returning session resident
+    # there decodes elsewhere only when its own prefill there is slow too: prefilling on m1
+    # and decoding on m2 carries its whole context over (a migration in all but name), and m1
+    # is not overloaded.
+    policy = create_policy("adaptive")
+    workers = (w("m1", "mixed", running=8), w("m2", "mixed", running=16))
+    links = mesh("m1", "m2")
+
+    def arriving(session: str, prompt: int, uncached: int) -> Turn:
+        return msgspec.structs.replace(turn(prompt, uncached, ttft_ms=3000.0, itl_ms=100.0),
+                                       session_id=session, request_id=session)  # fmt: skip
+
+    fresh = ClusterView(now_s=10.0, workers=workers, links=links)
+    assert bare(policy.decide(arriving("new", 4000, 4000), fresh)) == Colocate("m1")
+    residency = Residency(worker_id="m1", tokens=6000, bytes=6000 * KV, epoch=2)
+    back = ClusterView(now_s=10.1, workers=workers, links=links, residency=residency)
+    assert bare(policy.decide(arriving("back", 6000 + uncached, uncached), back)) == expected
+
+
 def test_reject_carries_the_best_prediction() -> None:
     decision = create_policy("adaptive").decide(
         turn(8200, 200, ttft_ms=10.0), view(*SATURATED, links=LINKS, resident="d1")
