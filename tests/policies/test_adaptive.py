@@ -378,17 +378,13 @@ def test_an_answer_leaves_its_state_only_beside_its_own_slow_prefill(
     # is not overloaded.
     policy = create_policy("adaptive")
     workers = (w("m1", "mixed", running=8), w("m2", "mixed", running=16))
-    links = mesh("m1", "m2")
-
-    def arriving(session: str, prompt: int, uncached: int) -> Turn:
-        return msgspec.structs.replace(turn(prompt, uncached, ttft_ms=3000.0, itl_ms=100.0),
-                                       session_id=session, request_id=session)  # fmt: skip
-
-    fresh = ClusterView(now_s=10.0, workers=workers, links=links)
-    assert bare(policy.decide(arriving("new", 4000, 4000), fresh)) == Colocate("m1")
-    residency = Residency(worker_id="m1", tokens=6000, bytes=6000 * KV, epoch=2)
-    back = ClusterView(now_s=10.1, workers=workers, links=links, residency=residency)
-    assert bare(policy.decide(arriving("back", 6000 + uncached, uncached), back)) == expected
+    fresh = msgspec.structs.replace(turn(4000, 4000, itl_ms=100.0), session_id="new",
+                                    request_id="new")  # fmt: skip
+    placed = policy.decide(fresh, view(*workers, links=mesh("m1", "m2")))
+    assert bare(placed) == Colocate("m1")
+    back = view(*workers, links=mesh("m1", "m2"), resident="m1", tokens=6000)
+    returning = turn(6000 + uncached, uncached, itl_ms=100.0)
+    assert bare(policy.decide(returning, back)) == expected
 
 
 def test_reject_carries_the_best_prediction() -> None:
