@@ -43,6 +43,13 @@ def slow_gap_budget(tokens: float) -> float:
     return max(1.0, (tokens - 1.0) * SLOW_GAP_SHARE)
 
 
+def slow_gaps_allowed(tokens: float) -> int:
+    """How many of a `tokens`-token answer's gaps may exceed the ITL objective while the
+    p99 of its gaps (interpolated) meets it: the one above them is the p99's upper rank."""
+    allowed = math.floor((tokens - 2.0) * SLOW_GAP_SHARE)
+    return allowed if allowed > 0 else 0
+
+
 def kv_crowding(worker: WorkerView, streams: float = 1.0) -> float:
     """Expected misses from placing `streams` mean-sized streams' worth of new KV on
     `worker` (a turn's share: its tokens not cached there over the streams' mean): a full
@@ -234,3 +241,19 @@ def poisson_tail(mean: float, count: int) -> float:
         term *= mean / k
         below += term
     return 1.0 - below if below < 1.0 else 0.0
+
+
+def budget_crossings(mean: float, allowed: int, added: float) -> float:
+    """P(N <= `allowed` < N + `added`), N Poisson-distributed with `mean`: the chance that
+    `added` more slow gaps push a stream whose own come as N past the `allowed` ones (a
+    fractional `added` interpolates between its neighbours)."""
+    whole = math.floor(added)
+    part = added - whole
+    within = 1.0 - poisson_tail(mean, allowed + 1)
+
+    def crossed(count: int) -> float:
+        rest = allowed - count
+        return within - (1.0 - poisson_tail(mean, rest + 1) if rest >= 0 else 0.0)
+
+    low = crossed(whole)
+    return low + part * (crossed(whole + 1) - low) if part > 0.0 else low

@@ -32,8 +32,17 @@ a g-token answer that may exceed the ITL objective while the p99 of its gaps mee
                 T = the typical prefill (`Estimates.typical_prefill_ms`): the others'
                 prefills join the step at random, and it is slow when more of them come than
                 fit beside this one within the objective:
-  each slow step spends one gap of every stream's budget. This turn's objectives stand in
-  for the streams' (the view has no other). C is the prefix the worker holds: the resident's
+  each slow step spends one gap of every stream's budget, where T is within the ITL
+  objective: the streams' slow steps are then prefills joining one step, which no ledger
+  counts. Where T is a slow step itself, the streams' slow steps are the prefills this policy
+  placed (`StallLedger`), and a stream misses only once they pass the gaps it may have slow:
+      harm    = R x P(N <= b < N + s), N Poisson with mean = the slow steps placed on w per
+                second x a mean answer's life there (its gaps x the step at R + 1 streams),
+                b = floor((g - 2) / 100) for g = the mean answer (more and the p99 of its
+                gaps fails; a fractional s interpolates)
+  (measured, 4 x h200, p16384-g512-multi-turn-t4: the budget share B spent per slow step
+  put nearly every turn's prefill on a few workers, whose queues then ran its first tokens
+  late). This turn's objectives stand in for the streams' (the view has no other). C is the prefix the worker holds: the resident's
   cached tokens, the prompt of the session's last split turn on the worker that prefilled it,
   else S.
 - exposure: the turn decodes on d for G - 1 gaps of a step at R' + 1 streams (R' = R and the
@@ -96,6 +105,7 @@ from policies.adaptive_cache import CacheLedger, Fill
 from policies.adaptive_candidate import TTFT_WEIGHT, WORK_WEIGHT, Candidate, PrefillTerms
 from policies.adaptive_ledgers import StallLedger as StallLedger
 from policies.adaptive_ledgers import slow_gap_budget as slow_gap_budget
+from policies.adaptive_links import exposed_transfer_ms
 from policies.adaptive_streams import StreamLedger
 from policies.adaptive_terms import TurnTerms
 from policies.estimates import Estimates, PrefillLeg
@@ -218,6 +228,15 @@ class Scorer(TurnTerms):
             decode_ms=decode_ms,
             fills=fills,
             eviction=self.eviction(fills),
+        )
+
+    def transfer_ms(self, src: str, dst: str, nbytes: int, start_ms: float = 0.0) -> float:
+        """Exposed time to move `nbytes` over src -> dst starting `start_ms` from now
+        (`exposed_transfer_ms`)."""
+        measured = self._estimates.link_bps(src, dst)
+        link = self._links.get((src, dst))
+        return exposed_transfer_ms(
+            link, measured, self._default_bps, self._horizon_s, nbytes, start_ms
         )
 
     def eviction(self, fills: tuple[Fill, ...]) -> float:

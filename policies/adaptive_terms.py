@@ -15,12 +15,13 @@ from policies.adaptive_candidate import DecodeTerms, PrefillTerms
 from policies.adaptive_ledgers import (
     LegLedger,
     StallLedger,
+    budget_crossings,
     kv_crowding,
     poisson_tail,
     slot_wait_ms,
     slow_gap_budget,
+    slow_gaps_allowed,
 )
-from policies.adaptive_links import exposed_transfer_ms
 from policies.adaptive_work import WorkLedger
 from policies.calibration import queue_ahead
 from policies.estimates import Estimates, PrefillLeg
@@ -283,15 +284,6 @@ class TurnTerms:
             rate = self._stall_rates[wid] = self._stalls.rate(wid, self._now_s, self._request_id)
         return rate
 
-    def transfer_ms(self, src: str, dst: str, nbytes: int, start_ms: float = 0.0) -> float:
-        """Exposed time to move `nbytes` over src -> dst starting `start_ms` from now
-        (`exposed_transfer_ms`)."""
-        measured = self._estimates.link_bps(src, dst)
-        link = self._links.get((src, dst))
-        return exposed_transfer_ms(
-            link, measured, self._default_bps, self._horizon_s, nbytes, start_ms
-        )
-
     def _streams_of(self, worker_id: str) -> float:
         """The KV this turn (the context not cached there, the answer) and the decode legs
         placed on the worker but not sent yet add there, in mean-sized streams."""
@@ -350,7 +342,13 @@ class TurnTerms:
     def _harm(self, worker: WorkerView, slow: float) -> float:
         if slow <= 0.0 or worker.role == "prefill":
             return 0.0
-        return self.streams(worker) * slow / self._stream_budget
+        estimates = self._estimates
+        if not estimates.typical_prefill_ms > self._itl_ms:
+            return self.streams(worker) * slow / self._stream_budget
+        life_s = estimates.mean_completion_tokens * self._answer_step(worker) / 1000.0
+        allowed = slow_gaps_allowed(estimates.mean_completion_tokens)
+        own = self.stall_rate(worker) * life_s
+        return self.streams(worker) * budget_crossings(own, allowed, slow)
 
     def _local_prefill(
         self, worker: WorkerView, uncached: int, cached: int
