@@ -13,8 +13,8 @@ resident worker is overloaded (`migrate_queue_threshold` requests waiting or KV 
 (run as a handoff from the resident, whose cache holds the context); else a handoff prefills
 there only where that is a slow step. A session without residency never migrates.
 
-Terms are in expected objective misses: the ITL budgets a prefill's slow steps spend of the
-streams running beside it (harm; behind the prefill work this policy placed on that worker and
+Terms are in expected objective misses: the streams beside a prefill its slow steps push past
+their ITL budgets (harm, `policies.adaptive_scoring`; behind the prefill work placed there and
 not yet done, `WorkLedger`, it shares slow batched steps), the slow steps the answer will meet
 where it decodes (exposure, from the `StallLedger` of recent placements, `stall_window_s`) and
 the KV cache it would fill there, the sessions' contexts the KV it adds evicts from the

@@ -44,8 +44,8 @@ def slow_gap_budget(tokens: float) -> float:
 
 
 def slow_gaps_allowed(tokens: float) -> int:
-    """How many of a `tokens`-token answer's gaps may exceed the ITL objective while the
-    p99 of its gaps (interpolated) meets it: the one above them is the p99's upper rank."""
+    """How many of a `tokens`-token answer's gaps may exceed the ITL objective, by any
+    margin, while the p99 of its gaps (interpolated) meets it: one more fills its upper rank."""
     allowed = math.floor((tokens - 2.0) * SLOW_GAP_SHARE)
     return allowed if allowed > 0 else 0
 

@@ -42,9 +42,9 @@ a g-token answer that may exceed the ITL objective while the p99 of its gaps mee
                 gaps fails; a fractional s interpolates)
   (measured, 4 x h200, p16384-g512-multi-turn-t4: the budget share B spent per slow step
   put nearly every turn's prefill on a few workers, whose queues then ran its first tokens
-  late). This turn's objectives stand in for the streams' (the view has no other). C is the prefix the worker holds: the resident's
-  cached tokens, the prompt of the session's last split turn on the worker that prefilled it,
-  else S.
+  late). This turn's objectives stand in for the streams' (the view has no other). C is the
+  prefix the worker holds: the resident's cached tokens, the prompt of the session's last
+  split turn on the worker that prefilled it, else S.
 - exposure: the turn decodes on d for G - 1 gaps of a step at R' + 1 streams (R' = R and the
   decode legs on their way there, `LegLedger`), while d runs slow steps at the rate its
   recent placements set (`StallLedger`), and adds the KV it lacks there, after the KV those
