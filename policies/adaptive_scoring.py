@@ -35,16 +35,18 @@ a g-token answer that may exceed the ITL objective while the p99 of its gaps mee
   each slow step spends one gap of every stream's budget, where T is within the ITL
   objective: the streams' slow steps are then prefills joining one step, which no ledger
   counts. Where T is a slow step itself, the streams' slow steps are the prefills this policy
-  placed (`StallLedger`), and a stream misses only once they pass the gaps it may have slow:
-      harm    = R x P(N <= b < N + s), N Poisson with mean = the slow steps placed on w per
-                second x a mean answer's life there (its gaps x the step at R + 1 streams),
-                b = floor((g - 2) / 100) for g = the mean answer (more and the p99 of its
-                gaps fails; a fractional s interpolates)
-  (measured, 4 x h200, p16384-g512-multi-turn-t4: the budget share B spent per slow step
-  put nearly every turn's prefill on a few workers, whose queues then ran its first tokens
-  late). This turn's objectives stand in for the streams' (the view has no other). C is the
-  prefix the worker holds: the resident's cached tokens, the prompt of the session's last
-  split turn on the worker that prefilled it, else S.
+  placed (`StallLedger`), and a stream misses only once they pass the gaps it may have slow;
+  what they spend of its budget is denied to the prefills to come (`stream_harm`):
+      harm    = R x (0.7 x P(N <= b < N + s) + 0.3 x s / B), N Poisson with mean = the slow
+                steps placed on w per second x a mean answer's life there (its gaps x the
+                step at R + 1 streams), b = floor((g - 2) / 100) for g = the mean answer
+                (more and the p99 of its gaps fails; a fractional s interpolates)
+  (measured, 4 x h200: the share alone put nearly every p16384-g512-multi-turn-t4 prefill on
+  a few workers, whose queues then ran first tokens late; the crossings alone piled
+  p4096-g512-system-prefix prefills beside calm streams until they all crossed together).
+  This turn's objectives stand in for the streams' (the view has no other). C is the prefix
+  the worker holds: the resident's cached tokens, the prompt of the session's last split
+  turn on the worker that prefilled it, else S.
 - exposure: the turn decodes on d for G - 1 gaps of a step at R' + 1 streams (R' = R and the
   decode legs on their way there, `LegLedger`), while d runs slow steps at the rate its
   recent placements set (`StallLedger`), and adds the KV it lacks there, after the KV those

@@ -15,12 +15,12 @@ from policies.adaptive_candidate import DecodeTerms, PrefillTerms
 from policies.adaptive_ledgers import (
     LegLedger,
     StallLedger,
-    budget_crossings,
     kv_crowding,
     poisson_tail,
     slot_wait_ms,
     slow_gap_budget,
     slow_gaps_allowed,
+    stream_harm,
 )
 from policies.adaptive_work import WorkLedger
 from policies.calibration import queue_ahead
@@ -348,7 +348,7 @@ class TurnTerms:
         life_s = estimates.mean_completion_tokens * self._answer_step(worker) / 1000.0
         allowed = slow_gaps_allowed(estimates.mean_completion_tokens)
         own = self.stall_rate(worker) * life_s
-        return self.streams(worker) * budget_crossings(own, allowed, slow)
+        return self.streams(worker) * stream_harm(own, allowed, slow, self._stream_budget)
 
     def _local_prefill(
         self, worker: WorkerView, uncached: int, cached: int

@@ -7,12 +7,14 @@ import math
 import pytest
 
 from bench.metrics import itl_stats
-from policies import ClusterView, Objectives, Turn
+from policies import ClusterView, Objectives, Turn, adaptive_ledgers
 from policies.adaptive_ledgers import (
+    CROSSING_WEIGHT,
     StallLedger,
     budget_crossings,
     slow_gap_budget,
     slow_gaps_allowed,
+    stream_harm,
 )
 from policies.adaptive_scoring import Scorer
 from policies.estimates import Estimates
@@ -57,6 +59,20 @@ def test_a_fractional_slow_share_interpolates_its_neighbours() -> None:
     assert budget_crossings(2.0, 3, 0.5) == pytest.approx(0.5 * low)
 
 
+# (mean slow gaps a stream meets, gaps it may have slow, slow gaps added, its budget B)
+HARMS = [(0.0, 5, 1, 5.1), (5.0, 5, 1, 5.1), (4.0, 5, 3, 5.1), (0.0, 0, 2, 1.0), (30.0, 2, 1, 2.5)]
+
+
+@pytest.mark.parametrize(("mean", "allowed", "added", "budget"), HARMS)
+def test_a_streams_harm_weighs_its_crossing_now_and_the_budget_share_it_spends(
+    mean: float, allowed: int, added: int, budget: float
+) -> None:
+    crossing = sum(_poisson(mean, n) for n in range(max(0, allowed - added + 1), allowed + 1))
+    expected = CROSSING_WEIGHT * crossing + (1.0 - CROSSING_WEIGHT) * added / budget
+    assert stream_harm(mean, allowed, added, budget) == pytest.approx(expected, abs=1e-9)
+    assert 0.0 < CROSSING_WEIGHT < 1.0  # neither part alone (see its comment)
+
+
 def _harm(itl_ms: float, placed_slow_steps: int) -> float:
     """A 4096-token turn's prefill harm on a worker with 20 streams, after that many slow
     steps were placed there in the last 0.1 s."""
@@ -87,10 +103,16 @@ def test_where_the_typical_prefill_is_fast_each_slow_step_spends_a_budget_share(
     assert _harm(100.0, placed) == pytest.approx(20 / budget)
 
 
-def test_where_the_typical_prefill_is_slow_a_stream_pays_only_past_its_allowance() -> None:
+def test_where_the_typical_prefill_is_slow_a_stream_pays_mostly_past_its_allowance(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # At 40 ms the typical prefill is a slow step: the slow steps the streams meet are those
     # placed there, and a 256-token answer may have 2 of them.
     assert Estimates.from_presets().typical_prefill_ms > 40.0
     calm, some, more = _harm(40.0, 0), _harm(40.0, 1), _harm(40.0, 3)
-    assert calm == 0.0  # no stream is near its allowance
-    assert 0.0 < some < more < 20 / slow_gap_budget(256.0)
+    monkeypatch.setattr(adaptive_ledgers, "CROSSING_WEIGHT", 0.0)
+    share = _harm(40.0, 0)  # what its slow steps spend of the 20 streams' budgets
+    assert share > 0.0
+    # No stream is near its allowance: only the share its slow steps spend is weighed.
+    assert calm == pytest.approx((1.0 - CROSSING_WEIGHT) * share)
+    assert calm < some < more
