@@ -41,7 +41,7 @@ def open_redis(url: str, **options: Any) -> Redis:
         key: value for key, value in options.items()
         if key in ("socket_timeout", "socket_connect_timeout")
     }  # fmt: skip
-    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+    sentinel = Sentinel(  # type: ignore[no-untyped-call, unused-ignore]
         sentinels, sentinel_kwargs=sentinel_options, **options
     )
     client: Redis = sentinel.master_for(

@@ -208,7 +208,7 @@ class StateSync:
         pubsub, self._pubsub = self._pubsub, None
         if pubsub is not None:
             with contextlib.suppress(*UNREACHABLE, RedisError):
-                await pubsub.aclose()  # type: ignore[no-untyped-call]
+                await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]
 
     async def _listen(self, pubsub: PubSub) -> None:
         try:
