@@ -37,10 +37,11 @@ a g-token answer that may exceed the ITL objective while the p99 of its gaps mee
   counts. Where T is a slow step itself, the streams' slow steps are the prefills this policy
   placed (`StallLedger`), and a stream misses only once they pass the gaps it may have slow;
   what they spend of its budget is denied to the prefills to come (`stream_harm`):
-      harm    = R x (0.7 x P(N <= b < N + s) + 0.3 x s / B), N Poisson with mean = the slow
-                steps placed on w per second x a mean answer's life there (its gaps x the
-                step at R + 1 streams), b = floor((g - 2) / 100) for g = the mean answer
-                (more and the p99 of its gaps fails; a fractional s interpolates)
+      harm    = R x (W x P(N <= b < N + s) + (1 - W) x s / B), W = `CROSSING_WEIGHT` (0.7),
+                N Poisson with mean = the slow steps placed on w per second x a mean
+                answer's life there (its gaps x the step at R + 1 streams), b = floor((g -
+                2) / 100) for g = the mean answer (more and the p99 of its gaps fails; a
+                fractional s interpolates)
   (measured, 4 x h200: the share alone put nearly every p16384-g512-multi-turn-t4 prefill on
   a few workers, whose queues then ran first tokens late; the crossings alone piled
   p4096-g512-system-prefix prefills beside calm streams until they all crossed together).
