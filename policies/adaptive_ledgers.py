@@ -269,7 +269,7 @@ def budget_crossings(mean: float, allowed: int, added: float) -> float:
 
 def stream_harm(own: float, allowed: int, added: float, budget: float) -> float:
     """The misses `added` slow steps cost a stream whose own slow gaps come as N, Poisson with
-    mean `own`: `CROSSING_WEIGHT` x `budget_crossings` + the rest x `added` / `budget` (B)."""
-    share = added / budget if budget > 0.0 else added
+    mean `own`: `CROSSING_WEIGHT` x `budget_crossings` + the rest x `added` / `budget` (B,
+    `slow_gap_budget`: at least 1)."""
     crossings = budget_crossings(own, allowed, added)
-    return CROSSING_WEIGHT * crossings + (1.0 - CROSSING_WEIGHT) * share
+    return CROSSING_WEIGHT * crossings + (1.0 - CROSSING_WEIGHT) * added / budget
