@@ -9,7 +9,10 @@ max goodput against the best baseline's, 1.2x on multi-turn traces and the multi
 else 1.0x.
 
 `--classes` adds classes of the simulator acceptance's default workload matrix (generated
-sessions; max goodput is then the arrival rate of the highest passing probe).
+sessions; max goodput is then the arrival rate of the highest passing probe). `--at` probes
+each variant at the given rate scales instead of searching, with why each request that was
+not good missed: for looking into a verdict (e.g. with `--scheduling-policy fcfs`, engines
+that ignore the deadlines adaptive sends).
 
 A live probe runs the workers, router and client on this machine in real time, so only what
 the machine can carry is measured here: small clusters, the recorded traces and the matrix's
@@ -35,7 +38,7 @@ import msgspec
 from bench.compare import CompareSpec, plan, run_policy
 from bench.des.goodput import GoodputSearch, goodput_search
 from bench.layout import ClusterSpec
-from bench.metrics import RunSummary
+from bench.metrics import MissCauses, RunSummary
 from bench.scripts.acceptance import default_matrix, ints, names, render, verdict
 from bench.scripts.acceptance_workloads import (
     TRACES,
@@ -53,6 +56,7 @@ from bench.scripts.acceptance_workloads import (
 )
 from bench.simulate import GOODPUT_TARGET
 from bench.traces import load_trace
+from bench.up import StackSpec
 
 
 def spec_of(variant: Variant, cluster: ClusterSpec, tolerance: float) -> CompareSpec:
@@ -65,14 +69,72 @@ def spec_of(variant: Variant, cluster: ClusterSpec, tolerance: float) -> Compare
     )  # fmt: skip
 
 
+class Probe(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One fixed-rate probe of `--at`: attainment, why the rest missed, TTFT p90."""
+
+    workload: str
+    variant: str
+    rate_scale: float
+    turns: int
+    rps: float
+    attainment: float
+    misses: MissCauses
+    ttft_p90_ms: float | None
+
+
+def stack_of(spec: CompareSpec, out: Path, scheduling: str) -> StackSpec:
+    """The one stack a variant's probes start, its engines scheduling as `scheduling` says."""
+    (stack,) = plan(spec, out)
+    if scheduling not in ("priority", "fcfs"):
+        raise ValueError(f"scheduling must be priority or fcfs, got {scheduling!r}")
+    return msgspec.structs.replace(stack, scheduling_policy=scheduling)
+
+
+async def probe_at(
+    workload: Workload, variant: Variant, spec: CompareSpec, scales: Sequence[float],
+    stack: StackSpec,
+) -> list[Probe]:  # fmt: skip
+    """`variant` replaying `workload` at each of `scales`, a fresh stack each."""
+    probes = []
+    for scale in scales:
+        trace = workload.source.at(scale)
+        run = await run_policy(trace, msgspec.structs.replace(spec, rate_scale=scale), stack,
+                               False, None)  # fmt: skip
+        summary = run.summary
+        rps = trace.num_turns * scale / max(trace.duration_s, 1e-9)
+        probes.append(Probe(workload.name, variant.label, scale, trace.num_turns, rps,
+                            summary.slo_attainment, summary.misses or MissCauses(),
+                            summary.ttft_ms.p90))  # fmt: skip
+        print(f"  {variant.label} @ {scale:.4g}x: {summary.slo_attainment:.1%} good; "
+              f"{'; '.join(run.notes)}", file=sys.stderr, flush=True)  # fmt: skip
+    return probes
+
+
+def render_probes(probes: Sequence[Probe], command: str) -> str:
+    lines = [
+        "# Live probes at fixed rates", "", f"Command: `{command}`", "",
+        "| workload | variant | rate | turns | arrivals/s | good | TTFT late (foreseen) "
+        "| ITL p99 over | rejected | failed | TTFT p90 ms |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]  # fmt: skip
+    for p in probes:
+        m = p.misses
+        lines.append(
+            f"| {p.workload} | {p.variant} | {p.rate_scale:.4g}x | {p.turns} | {p.rps:.3g} "
+            f"| {p.attainment:.1%} | {m.ttft_late} ({m.ttft_late_foreseen}) | {m.itl_over} "
+            f"| {m.rejected} | {m.failed} | "
+            f"{'-' if p.ttft_p90_ms is None else f'{p.ttft_p90_ms:.0f}'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 async def search(
     source: TraceSource | MatrixSource, variant: Variant, spec: CompareSpec, start: float,
-    out: Path,
+    stack: StackSpec,
 ) -> Measured:  # fmt: skip
     """`variant`'s live max goodput (0 when no probe passed), each probe a fresh stack
     replaying `source`: a trace's highest passing scale times the whole trace's mean arrival
     rate; a matrix class's arrival rate in its highest passing probe."""
-    (stack,) = plan(spec, out)
     searcher = goodput_search(GOODPUT_TARGET, start=start, tolerance=spec.goodput_tolerance)
     probes: list[Offered] = []
     summaries: dict[float, RunSummary] = {}
@@ -140,6 +202,9 @@ def _parser() -> argparse.ArgumentParser:
     add("--thresholds", type=ints, default=(256, 1024, 4096))
     add("--variants", default="", help="comma-separated labels to search (default all)")
     add("--tolerance", type=float, default=0.1, help="search bracket ratio")
+    add("--at", type=floats, default=(), help="probe these rate scales instead of searching")
+    add("--scheduling-policy", choices=("priority", "fcfs"), default="priority",
+        help="the engines' (priority: they admit by the deadlines adaptive sends)")  # fmt: skip
     add("--out", type=Path, default=Path("bench-out/live-acceptance"))
     return parser
 
@@ -161,6 +226,26 @@ def workloads(args: argparse.Namespace) -> list[Workload]:
     return out
 
 
+def floats(text: str) -> tuple[float, ...]:
+    return tuple(float(part) for part in names(text))
+
+
+async def _probes(args: argparse.Namespace) -> list[Probe]:
+    cluster = ClusterSpec.parse(args.cluster)
+    contenders = chosen(variants(args.splits, args.thresholds, split=False), args.variants)
+    probes = []
+    for workload in workloads(args):
+        for variant in contenders:
+            spec = spec_of(variant, cluster, args.tolerance)
+            stack = stack_of(spec, args.out / workload.name / _dir(variant), args.scheduling_policy)
+            probes += await probe_at(workload, variant, spec, args.at, stack)
+    return probes
+
+
+def _dir(variant: Variant) -> str:
+    return variant.label.replace(" ", "-").replace("=", "")
+
+
 async def _main(args: argparse.Namespace) -> list[Verdict]:
     cluster = ClusterSpec.parse(args.cluster)
     contenders = chosen(variants(args.splits, args.thresholds, split=False), args.variants)
@@ -169,10 +254,9 @@ async def _main(args: argparse.Namespace) -> list[Verdict]:
         measured = []
         for variant in contenders:
             started = time.monotonic()
-            label = variant.label.replace(" ", "-").replace("=", "")
             spec = spec_of(variant, cluster, args.tolerance)
-            found = await search(workload.source, variant, spec, args.start,
-                                 args.out / workload.name / label)  # fmt: skip
+            stack = stack_of(spec, args.out / workload.name / _dir(variant), args.scheduling_policy)
+            found = await search(workload.source, variant, spec, args.start, stack)
             measured.append(found)
             print(f"{workload.name} / {variant.label}: {found.max_goodput_rps:.3g} req/s "
                   f"({time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True)  # fmt: skip
@@ -183,8 +267,16 @@ async def _main(args: argparse.Namespace) -> list[Verdict]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     started = time.monotonic()
-    verdicts = asyncio.run(_main(args))
     command = "python -m bench.scripts.live_acceptance " + " ".join(argv or sys.argv[1:])
+    if args.at:
+        probes = asyncio.run(_probes(args))
+        args.out.mkdir(parents=True, exist_ok=True)
+        encoded = msgspec.json.format(msgspec.json.encode(probes))
+        (args.out / "live-probes.json").write_bytes(encoded)
+        (args.out / "live-probes.md").write_text(text := render_probes(probes, command), "utf-8")
+        print(text)
+        return 0
+    verdicts = asyncio.run(_main(args))
     notes = [
         f"Live: simulated workers ({args.cluster}), the router and the replay client in real "
         f"time on this machine; each probe a fresh stack replaying {args.span_s:g} s of the "

@@ -1,15 +1,26 @@
-"""The live acceptance's plan: which stacks each variant's search starts (nothing runs)."""
+"""The live acceptance's plan: which stacks each variant's search or probes start (nothing
+runs); and the fixed-rate probes' table."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from bench.compare import plan
 from bench.layout import ClusterSpec
+from bench.metrics import MissCauses
 from bench.scripts.acceptance_workloads import variants
-from bench.scripts.live_acceptance import _parser, chosen, spec_of, workloads
+from bench.scripts.live_acceptance import (
+    Probe,
+    _parser,
+    chosen,
+    render_probes,
+    spec_of,
+    stack_of,
+    workloads,
+)
 
 CLUSTER = ClusterSpec.parse("4xh200-sxm/llama-3.1-8b")
 ALL = variants([1, 2], [256, 1024], split=False)
@@ -66,3 +77,38 @@ def test_workloads_are_the_named_traces_then_the_named_matrix_classes(tmp_path: 
     assert {len(c.turns) for c in klass.conversations} == {4}
     with pytest.raises(SystemExit, match="unknown class"):
         workloads(_parser().parse_args(["--traces", "", "--classes", "p1-g1-none"]))
+
+
+@pytest.mark.parametrize("scheduling", ["priority", "fcfs"])
+def test_probes_start_engines_that_schedule_as_asked(scheduling: str, tmp_path: Path) -> None:
+    (variant,) = [v for v in ALL if v.label == "adaptive"]
+    stack = stack_of(spec_of(variant, CLUSTER, tolerance=0.1), tmp_path, scheduling)
+    assert stack.scheduling_policy == scheduling
+    assert stack.roles == ("mixed",) * 4
+
+
+def test_an_unknown_scheduling_policy_is_refused(tmp_path: Path) -> None:
+    (variant,) = [v for v in ALL if v.label == "colocate"]
+    with pytest.raises(ValueError, match="priority or fcfs"):
+        stack_of(spec_of(variant, CLUSTER, tolerance=0.1), tmp_path, "lifo")
+
+
+def test_fixed_rate_probes_parse_and_render_why_requests_missed() -> None:
+    args = _parser().parse_args(["--at", "3.364, 3.668", "--scheduling-policy", "fcfs"])
+    assert args.at == (3.364, 3.668) and args.scheduling_policy == "fcfs"
+    assert _parser().parse_args([]).at == ()
+    probe = Probe(
+        workload="p4096-g512-multi-turn-t4", variant="adaptive", rate_scale=3.364, turns=272,
+        rps=13.8, attainment=0.835, ttft_p90_ms=5935.0,
+        misses=MissCauses(ttft_late=43, ttft_late_foreseen=16, itl_over=2),
+    )  # fmt: skip
+    unmeasured = msgspec.structs.replace(probe, variant="round-robin", ttft_p90_ms=None)
+    lines = render_probes([probe, unmeasured], "cmd").splitlines()
+    assert "Command: `cmd`" in lines
+    assert lines[-2] == (
+        "| p4096-g512-multi-turn-t4 | adaptive | 3.364x | 272 | 13.8 | 83.5% | 43 (16) | 2 | 0 "
+        "| 0 | 5935 |"
+    )
+    assert lines[-1].endswith(
+        "| round-robin | 3.364x | 272 | 13.8 | 83.5% | 43 (16) | 2 | 0 | 0 | - |"
+    )
