@@ -30,7 +30,7 @@ import argparse
 import asyncio
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import msgspec
@@ -84,9 +84,9 @@ class Probe(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 def stack_of(spec: CompareSpec, out: Path, scheduling: str) -> StackSpec:
     """The one stack a variant's probes start, its engines scheduling as `scheduling` says."""
-    (stack,) = plan(spec, out)
     if scheduling not in ("priority", "fcfs"):
         raise ValueError(f"scheduling must be priority or fcfs, got {scheduling!r}")
+    (stack,) = plan(spec, out)
     return msgspec.structs.replace(stack, scheduling_policy=scheduling)
 
 
@@ -230,38 +230,35 @@ def floats(text: str) -> tuple[float, ...]:
     return tuple(float(part) for part in names(text))
 
 
-async def _probes(args: argparse.Namespace) -> list[Probe]:
+def _stacks(
+    args: argparse.Namespace,
+) -> Iterator[tuple[Workload, Variant, CompareSpec, StackSpec]]:
+    """Each workload the options name, with each chosen variant's spec and stack."""
     cluster = ClusterSpec.parse(args.cluster)
     contenders = chosen(variants(args.splits, args.thresholds, split=False), args.variants)
-    probes = []
     for workload in workloads(args):
         for variant in contenders:
             spec = spec_of(variant, cluster, args.tolerance)
-            stack = stack_of(spec, args.out / workload.name / _dir(variant), args.scheduling_policy)
-            probes += await probe_at(workload, variant, spec, args.at, stack)
+            out = args.out / workload.name / variant.label.replace(" ", "-").replace("=", "")
+            yield workload, variant, spec, stack_of(spec, out, args.scheduling_policy)
+
+
+async def _probes(args: argparse.Namespace) -> list[Probe]:
+    probes = []
+    for workload, variant, spec, stack in _stacks(args):
+        probes += await probe_at(workload, variant, spec, args.at, stack)
     return probes
 
 
-def _dir(variant: Variant) -> str:
-    return variant.label.replace(" ", "-").replace("=", "")
-
-
 async def _main(args: argparse.Namespace) -> list[Verdict]:
-    cluster = ClusterSpec.parse(args.cluster)
-    contenders = chosen(variants(args.splits, args.thresholds, split=False), args.variants)
-    verdicts = []
-    for workload in workloads(args):
-        measured = []
-        for variant in contenders:
-            started = time.monotonic()
-            spec = spec_of(variant, cluster, args.tolerance)
-            stack = stack_of(spec, args.out / workload.name / _dir(variant), args.scheduling_policy)
-            found = await search(workload.source, variant, spec, args.start, stack)
-            measured.append(found)
-            print(f"{workload.name} / {variant.label}: {found.max_goodput_rps:.3g} req/s "
-                  f"({time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True)  # fmt: skip
-        verdicts.append(verdict(workload, measured))
-    return verdicts
+    measured: dict[str, tuple[Workload, list[Measured]]] = {}
+    for workload, variant, spec, stack in _stacks(args):
+        started = time.monotonic()
+        found = await search(workload.source, variant, spec, args.start, stack)
+        measured.setdefault(workload.name, (workload, []))[1].append(found)
+        print(f"{workload.name} / {variant.label}: {found.max_goodput_rps:.3g} req/s "
+              f"({time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True)  # fmt: skip
+    return [verdict(workload, found) for workload, found in measured.values()]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -15,6 +15,7 @@ from bench.scripts.acceptance_workloads import variants
 from bench.scripts.live_acceptance import (
     Probe,
     _parser,
+    _stacks,
     chosen,
     render_probes,
     spec_of,
@@ -112,3 +113,18 @@ def test_fixed_rate_probes_parse_and_render_why_requests_missed() -> None:
     assert lines[-1].endswith(
         "| round-robin | 3.364x | 272 | 13.8 | 83.5% | 43 (16) | 2 | 0 | 0 | - |"
     )
+
+
+def test_each_named_workload_gets_each_chosen_variants_stack(tmp_path: Path) -> None:
+    args = _parser().parse_args([
+        "--traces", "", "--classes", "p4096-g512-none, p16384-g64-none", "--cluster",
+        "2xh200-sxm/llama-3.1-8b", "--variants", "threshold 1024", "--scheduling-policy", "fcfs",
+        "--out", str(tmp_path),
+    ])  # fmt: skip
+    planned = [(w.name, v.label, stack) for w, v, _, stack in _stacks(args)]
+    assert [(name, label) for name, label, _ in planned] == [
+        ("p4096-g512-none", "threshold 1024"), ("p4096-g512-none", "adaptive"),
+        ("p16384-g64-none", "threshold 1024"), ("p16384-g64-none", "adaptive"),
+    ]  # fmt: skip
+    assert {stack.scheduling_policy for _, _, stack in planned} == {"fcfs"}
+    assert planned[0][2].log_dir == str(tmp_path / "p4096-g512-none/threshold-1024/logs/threshold")
