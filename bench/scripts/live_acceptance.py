@@ -90,6 +90,22 @@ def stack_of(spec: CompareSpec, out: Path, scheduling: str) -> StackSpec:
     return msgspec.structs.replace(stack, scheduling_policy=scheduling)
 
 
+async def _run_at(
+    source: TraceSource | MatrixSource, label: str, spec: CompareSpec, stack: StackSpec,
+    scale: float,
+) -> tuple[RunSummary, int, float]:  # fmt: skip
+    """One probe, a fresh stack replaying `source` at `scale`: its summary, turns and
+    arrival rate (turns over their scaled span); told on stderr."""
+    trace = source.at(scale)
+    run = await run_policy(trace, msgspec.structs.replace(spec, rate_scale=scale), stack,
+                           False, None)  # fmt: skip
+    rps = trace.num_turns * scale / max(trace.duration_s, 1e-9)
+    print(f"  {label} @ {scale:.4g}x ({trace.num_turns} turns, {rps:.3g}/s): "
+          f"{run.summary.slo_attainment:.1%} good; {'; '.join(run.notes)}", file=sys.stderr,
+          flush=True)  # fmt: skip
+    return run.summary, trace.num_turns, rps
+
+
 async def probe_at(
     workload: Workload, variant: Variant, spec: CompareSpec, scales: Sequence[float],
     stack: StackSpec,
@@ -97,16 +113,10 @@ async def probe_at(
     """`variant` replaying `workload` at each of `scales`, a fresh stack each."""
     probes = []
     for scale in scales:
-        trace = workload.source.at(scale)
-        run = await run_policy(trace, msgspec.structs.replace(spec, rate_scale=scale), stack,
-                               False, None)  # fmt: skip
-        summary = run.summary
-        rps = trace.num_turns * scale / max(trace.duration_s, 1e-9)
-        probes.append(Probe(workload.name, variant.label, scale, trace.num_turns, rps,
+        summary, turns, rps = await _run_at(workload.source, variant.label, spec, stack, scale)
+        probes.append(Probe(workload.name, variant.label, scale, turns, rps,
                             summary.slo_attainment, summary.misses or MissCauses(),
                             summary.ttft_ms.p90))  # fmt: skip
-        print(f"  {variant.label} @ {scale:.4g}x: {summary.slo_attainment:.1%} good; "
-              f"{'; '.join(run.notes)}", file=sys.stderr, flush=True)  # fmt: skip
     return probes
 
 
@@ -140,16 +150,10 @@ async def search(
     summaries: dict[float, RunSummary] = {}
     scale = next(searcher)
     while True:
-        trace = source.at(scale)
-        run = await run_policy(trace, msgspec.structs.replace(spec, rate_scale=scale), stack,
-                               False, None)  # fmt: skip
-        attainment = run.summary.slo_attainment
-        rps = trace.num_turns * scale / max(trace.duration_s, 1e-9)
-        probes.append(Offered(scale, attainment, trace.num_turns, rps))
-        summaries[scale] = run.summary
-        print(f"  {variant.label} @ {scale:.4g}x ({trace.num_turns} turns, {rps:.3g}/s): "
-              f"{attainment:.1%} good; {'; '.join(run.notes)}", file=sys.stderr,
-              flush=True)  # fmt: skip
+        summary, turns, rps = await _run_at(source, variant.label, spec, stack, scale)
+        attainment = summary.slo_attainment
+        probes.append(Offered(scale, attainment, turns, rps))
+        summaries[scale] = summary
         try:
             scale = searcher.send(attainment)
         except StopIteration as done:
