@@ -211,7 +211,8 @@ class AdaptivePolicy:
         objective = turn.objectives.ttft_ms
         self._admission.note(turn.session_id, turn.request_id)
         limit = self._admission.limit_ms(objective)
-        due = self._deadlines.due_ms(objective, fresh=residency is None)
+        new_tokens = turn.prompt_tokens - best.leg.cached
+        due = self._deadlines.due_ms(objective, residency is None, new_tokens)
         rejected = (
             p.on_infeasible == "reject"
             and self._passing_ttft(best, view, due, turn.request_id) > limit

@@ -3,11 +3,12 @@ the earliest due first a turn passes the queued work due after it."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
-from policies import ClusterView, Objectives, Reject, Turn, create_policy
+from policies import ClusterView, Objectives, Reject, Residency, Turn, create_policy
 from policies.adaptive_work import WorkLedger
-from tests.policies.views import w
+from tests.policies.views import KV, w
 
 # (placed at, work ms, due at) on m1, each placed behind the one before
 PLACED = [(10.0, 400.0, 70.0), (10.0, 400.0, 11.0), (10.0, 400.0, 70.0)]
@@ -55,3 +56,31 @@ def test_an_urgent_turn_passes_the_queued_work_due_later(by_priority: bool, reje
     if not rejected:
         assert urgent.due_ms == 1000.0
         assert urgent.reason.startswith("best effort")
+
+
+@pytest.mark.parametrize(
+    ("cached", "due"),
+    [
+        (12_000, 1800.0),  # 4500 new tokens where its context is: as a fresh turn
+        (0, 3600.0),  # all 16500 to prefill: its objective, capped at twice a fresh one's
+    ],
+    ids=["light", "heavy"],
+)
+def test_a_returning_turn_light_where_it_prefills_is_due_as_a_fresh_one(
+    cached: int, due: float
+) -> None:
+    """Fresh 4000-token prompts are due in 1.8 s. A session's fourth turn, 16500 tokens due in
+    4.3 s, waits behind none of them where its context is cached: it prefills little more
+    than they do, and a wait behind them would let their prefills evict that context."""
+    policy = create_policy("adaptive")
+    cluster = ClusterView(now_s=10.0, workers=(w("d1"), w("d2")))
+    for i in range(4):
+        fresh = policy.decide(_turn(f"fresh{i}", 4000, 1800.0), cluster)
+        assert not isinstance(fresh, Reject) and fresh.due_ms == 1800.0
+    resident = Residency(worker_id="d1", tokens=cached, bytes=cached * KV, epoch=1, turns=3)
+    returning = Turn(session_id="long", request_id="long-t3", prompt_tokens=16_500,
+                     uncached_tokens=16_500 - cached, max_tokens=64, arrival_s=10.0,
+                     objectives=Objectives(ttft_ms=4300.0, itl_ms=100.0))  # fmt: skip
+    view = msgspec.structs.replace(cluster, residency=resident)
+    decision = policy.decide(returning, view)
+    assert not isinstance(decision, Reject) and decision.due_ms == due

@@ -134,15 +134,39 @@ def test_a_turn_is_due_at_its_objective_within_twice_the_fresh_ones(
 ) -> None:
     deadlines = Deadlines()
     for fresh_objective in fresh:
-        assert deadlines.due_ms(fresh_objective, fresh=True) == fresh_objective
-    assert deadlines.due_ms(objective, fresh=False) == due
-    assert deadlines.due_ms(objective, fresh=False) == due  # a returning turn moves no cap
+        assert deadlines.due_ms(fresh_objective, fresh=True, new_tokens=1000) == fresh_objective
+    # a returning turn heavier than the fresh ones; it moves no cap
+    assert deadlines.due_ms(objective, fresh=False, new_tokens=10_000) == due
+    assert deadlines.due_ms(objective, fresh=False, new_tokens=10_000) == due
+
+
+@pytest.mark.parametrize(
+    ("new_tokens", "due"),
+    [
+        (4000, 4000.0),  # as much as a fresh turn: its objective, within either cap
+        (6000, 4000.0),  # 1.5 x the mean fresh turn's new tokens: still light
+        (6001, 8000.0),  # heavier: twice the laxest fresh objective
+        (16_000, 8000.0),
+    ],
+    ids=["fresh-sized", "light at the bound", "past the bound", "heavy"],
+)
+def test_a_light_returning_turn_is_due_no_later_than_the_laxest_fresh_one(
+    new_tokens: int, due: float
+) -> None:
+    deadlines = Deadlines()
+    for objective, tokens in ((1000.0, 2000), (4000.0, 6000)):  # a mean of 4000 new tokens
+        deadlines.due_ms(objective, fresh=True, new_tokens=tokens)
+    assert deadlines.due_ms(20_000.0, fresh=False, new_tokens=new_tokens) == due
+    # its own objective where that is earlier
+    assert deadlines.due_ms(3000.0, fresh=False, new_tokens=new_tokens) == 3000.0
 
 
 def test_the_cap_follows_the_recent_fresh_turns() -> None:
     deadlines = Deadlines()
-    deadlines.due_ms(4000.0, fresh=True)
-    assert deadlines.due_ms(20_000.0, fresh=False) == 8000.0
+    deadlines.due_ms(4000.0, fresh=True, new_tokens=1000)
+    assert deadlines.due_ms(20_000.0, fresh=False, new_tokens=10_000) == 8000.0
     for _ in range(FRESH_WINDOW):
-        deadlines.due_ms(1000.0, fresh=True)
-    assert deadlines.due_ms(20_000.0, fresh=False) == 2000.0  # the 4000 ms one fell out
+        deadlines.due_ms(1000.0, fresh=True, new_tokens=5000)
+    # the 4000 ms one fell out; so did its 1000 new tokens, and 6000 are light now
+    assert deadlines.due_ms(20_000.0, fresh=False, new_tokens=10_000) == 2000.0
+    assert deadlines.due_ms(20_000.0, fresh=False, new_tokens=6000) == 1000.0
