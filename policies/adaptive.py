@@ -3,15 +3,16 @@
 For every turn the policy enumerates the feasible placements (policies.adaptive_scoring has the
 formulas): the whole turn on the resident worker (colocate) or on any other decode/mixed worker
 (recompute, or colocate for a new session), all with KV usage below `migrate_kv_usage` when
-any is; a handoff from one of the `shortlist` least-loaded prefill/mixed workers, the
-`shortlist` whose recent slow steps already expose what decodes there, or the worker that
-prefilled the session's last split turn (its prefix cache still holds that prompt), to the
-resident worker or to one of the decode shortlist: the `shortlist` least loaded and the
-`shortlist` whose recent slow steps least expose an answer decoded there; and, when the
-resident worker is overloaded (`migrate_queue_threshold` requests waiting or KV usage at least
-`migrate_kv_usage`) or cannot serve the turn itself, a migration of its state to one of those
-(run as a handoff from the resident, whose cache holds the context); else a handoff prefills
-there only where that is a slow step. A session without residency never migrates.
+any is; a handoff (shortlists: `policies.adaptive_shortlist`) from one of the `shortlist`
+least-loaded prefill/mixed workers, the `shortlist` whose recent slow steps already expose
+what decodes there, or the worker that prefilled the session's last split turn (its prefix
+cache still holds that prompt), to the resident worker or to one of the decode shortlist: the
+`shortlist` least loaded and the `shortlist` whose recent slow steps least expose an answer
+decoded there; and, when the resident worker is overloaded (`migrate_queue_threshold`
+requests waiting or KV usage at least `migrate_kv_usage`) or cannot serve the turn itself, a
+migration of its state to one of those (run as a handoff from the resident, whose cache holds
+the context); else a handoff prefills there only where that is a slow step. A session without
+residency never migrates.
 
 Terms are in expected objective misses: the streams beside a prefill its slow steps push past
 their ITL budgets (harm, `policies.adaptive_scoring`; behind the prefill work placed there and
@@ -33,10 +34,11 @@ order of the workers.
 When the best candidate misses the objective, the turn is served best effort, unless it misses
 by more than a rejection sheds (`policies.admission`): then it is rejected with `retry_after_s`,
 or served anyway with `on_infeasible=serve`. Every served turn is due at its TTFT objective
-(`due_ms`; at most twice the laxest of the fresh sessions', `policies.admission.Deadlines`): a
-worker with priority scheduling admits it ahead of the requests queued there but due later, so
-there the rejection counts only the placed work due before it (and the prefill already
-running); the placement itself is scored first come, first served.
+(`due_ms`; at most twice the laxest of the fresh sessions', once it for a light returning
+turn, `policies.admission.Deadlines`): a worker with priority scheduling admits it ahead of
+the requests queued there but due later, so there the rejection counts only the placed work
+due before it (and the prefill already running); the placement itself is scored first come,
+first served.
 
 `decide` records the placement in the ledgers under the request id (deciding the same turn
 again replaces it, so it returns the same decision; a split turn's decode leg is counted on
@@ -65,12 +67,13 @@ from policies.adaptive_decision import decision_of, explain, ms_text, predicted_
 from policies.adaptive_ledgers import LegLedger, StallLedger, forget_oldest
 from policies.adaptive_params import AdaptiveParams as AdaptiveParams
 from policies.adaptive_scoring import Scorer
+from policies.adaptive_shortlist import decode_shortlist, prefill_shortlist
 from policies.adaptive_streams import Leg, StreamLedger
 from policies.adaptive_work import WorkLedger
 from policies.admission import Admission, Deadlines
 from policies.calibration import Average
 from policies.estimates import Estimates, PrefillLeg
-from policies.load import DECODE_ROLES, PREFILL_ROLES, can_serve, load_score, reject_no_worker
+from policies.load import DECODE_ROLES, PREFILL_ROLES, can_serve, reject_no_worker
 from policies.types import (
     Action,
     ClusterView,
@@ -172,7 +175,7 @@ class AdaptivePolicy:
         roomy = [w for w in decode_pool if w is not resident and w.kv_usage < p.migrate_kv_usage]
         if not roomy:
             roomy = [w for w in decode_pool if w is not resident]
-        others = _decode_shortlist(roomy, p.shortlist, scorer)
+        others = decode_shortlist(roomy, p.shortlist, scorer)
         decode_targets = [resident, *others] if resident is not None else others
         # A whole turn can go to any of them (one candidate each); splits to the shortlist.
         whole = [scorer.whole(worker) for worker in (resident, *roomy) if worker is not None]
@@ -192,7 +195,7 @@ class AdaptivePolicy:
             for destination in others:
                 if destination.kv_usage < p.migrate_kv_usage:
                     candidates.append(scorer.handoff(source, destination, "migrate"))
-        for prefill in _prefill_shortlist(prefill_pool, p.shortlist, prefix, scorer):
+        for prefill in prefill_shortlist(prefill_pool, p.shortlist, prefix, scorer):
             # Else the answer (the session) leaves only to get away from a slow prefill.
             if prefill is mover or (prefill is source and not scorer.slow_prefill(prefill)):
                 continue
@@ -342,31 +345,6 @@ def _ends(chosen: Candidate, now_s: float) -> tuple[Leg, ...]:
     return (chosen.workers[0], now_s + chosen.sent_ms / 1000.0), (chosen.workers[1], last)
 
 
-def _decode_shortlist(workers: list[WorkerView], count: int, scorer: Scorer) -> list[WorkerView]:
-    """The `count` least-loaded workers, and the `count` whose slow steps least expose an
-    answer decoded there."""
-    if len(workers) <= count:
-        return workers
-    chosen = sorted(workers, key=_load_key)[:count]
-    calm = sorted(workers, key=lambda w: (scorer.exposure(w), *_load_key(w)))[:count]
-    return chosen + [w for w in calm if all(w is not c for c in chosen)]
-
-
-def _prefill_shortlist(
-    workers: list[WorkerView], count: int, prefix: tuple[str, int] | None, scorer: Scorer
-) -> list[WorkerView]:
-    """The `count` least-loaded prefill workers, the `count` whose recent slow steps already
-    expose what decodes there (another prefill costs the answers decoding elsewhere nothing),
-    and the one holding the session's prefix."""
-    chosen = _least_loaded(workers, count)
-    if len(workers) > count:
-        busy = sorted(workers, key=lambda w: (-scorer.stall_rate(w), *_load_key(w)))[:count]
-        chosen += [w for w in busy if all(w is not c for c in chosen)]
-    if prefix is not None and all(w.worker_id != prefix[0] for w in chosen):
-        chosen = chosen + [w for w in workers if w.worker_id == prefix[0]]
-    return chosen
-
-
 _Prefix = tuple[str, str, int]  # request, prefill worker, prompt tokens
 
 
@@ -382,16 +360,6 @@ def _remember(table: dict[str, tuple[_Prefix, ...]], turn: Turn, worker: str) ->
     kept = [e for e in table.pop(turn.session_id, ()) if e[0] != turn.request_id]
     table[turn.session_id] = (*kept[-1:], (turn.request_id, worker, turn.prompt_tokens))
     forget_oldest(table)
-
-
-def _least_loaded(workers: list[WorkerView], count: int) -> list[WorkerView]:
-    if len(workers) > count:
-        return sorted(workers, key=_load_key)[:count]
-    return workers
-
-
-def _load_key(worker: WorkerView) -> tuple[int, str]:
-    return load_score(worker), worker.worker_id
 
 
 def _overloaded(worker: WorkerView, params: AdaptiveParams) -> bool:
