@@ -1,8 +1,8 @@
 """Which workers `adaptive` scores a turn's legs on: a few per role, never the whole fleet.
 
 Scoring every pair of prefill and decode workers grows with the square of the fleet; the
-shortlists keep it to a few candidates each, chosen so the best placement is among them: the
-least loaded, the ones a placement there costs least, and the one holding the session's prefix.
+shortlists keep it to a few candidates each, those likeliest to win: the least loaded, the ones
+a placement there costs least, and the one holding the session's prefix.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ def decode_shortlist(workers: list[WorkerView], count: int, scorer: Scorer) -> l
     answer decoded there."""
     if len(workers) <= count:
         return workers
-    chosen = sorted(workers, key=_load_key)[:count]
+    chosen = _least_loaded(workers, count)
     calm = sorted(workers, key=lambda w: (scorer.exposure(w), *_load_key(w)))[:count]
     return chosen + [w for w in calm if all(w is not c for c in chosen)]
 
