@@ -275,7 +275,9 @@ def _parser() -> argparse.ArgumentParser:
         help="the engines' (vLLM's --scheduling-policy); requests without a due time keep "
              "arrival order under priority too")  # fmt: skip
     add("--splits", type=ints, default=(1, 2, 3, 4), help="disaggregate prefill workers")
-    add("--thresholds", type=ints, default=(256, 1024, 4096, 16384))
+    add("--thresholds", type=ints, default=(256, 1024, 2048, 4096, 8192, 16384),
+        help="threshold's candidates, the best chosen in hindsight: the matrix prompt sizes "
+             "and the sizes between them")  # fmt: skip
     add("--prompts", type=ints, default=(512, 4096, 16384), help="matrix prompt tokens")
     add("--outputs", type=ints, default=(64, 512), help="matrix output tokens")
     add("--reuse", default="none,system-prefix,multi-turn", help="matrix reuse modes")

@@ -203,7 +203,9 @@ def _parser() -> argparse.ArgumentParser:
     add("--min-turns", type=int, default=200, help="turns a probe replays at least")
     add("--start", type=float, default=4.0, help="rate scale the searches start at")
     add("--splits", type=ints, default=(1, 2), help="disaggregate prefill workers")
-    add("--thresholds", type=ints, default=(256, 1024, 4096))
+    # not the matrix prompt sizes themselves: the router estimates a prompt's tokens from its
+    # text, so a threshold equal to a class's size splits that class's turns at random
+    add("--thresholds", type=ints, default=(256, 1024, 2048, 8192))
     add("--variants", default="", help="comma-separated labels to search (default all)")
     add("--tolerance", type=float, default=0.1, help="search bracket ratio")
     add("--at", type=floats, default=(), help="probe these rate scales instead of searching")
