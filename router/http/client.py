@@ -207,6 +207,12 @@ class UpstreamResponse:
 
     async def read(self) -> bytes:
         """The whole body, de-chunked."""
+        conn = self._conn
+        if conn.complete and conn.error is None and not self._finished:
+            # the usual small answer arrived with its head: no step through the iterator
+            data = conn.take()
+            self._release()
+            return data
         parts = [chunk async for chunk in self]
         return parts[0] if len(parts) == 1 else b"".join(parts)
 

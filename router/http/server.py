@@ -156,7 +156,10 @@ class _Connection(asyncio.Protocol):
             tail += _KEEP_ALIVE
         head = wire.response_head(status, response.headers, response.content_type, tail)
         send_body = body and not bodiless and request.method != "HEAD"
-        self.transport.write(head + body if send_body else head)
+        if send_body:
+            self.transport.writelines((head, body))  # one send, no copy of the body
+        else:
+            self.transport.write(head)
 
     def _after_response(self, keep_alive: bool) -> None:
         if self.closed:
