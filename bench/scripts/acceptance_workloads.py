@@ -91,7 +91,12 @@ def offered_rps(probes: Sequence[Offered], scale: float | None) -> float:
 
 
 class Measured(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A variant's search: max goodput 0 if nothing passed, a lower bound if nothing failed."""
+    """A variant's search: max goodput 0 if nothing passed, a lower bound if nothing failed.
+
+    `screened`: not searched but probed once, at adaptive's highest passing scale over the
+    workload's `needs`, and it failed there: `max_goodput_rps` is that probe's rate, a strict
+    upper bound, and adaptive's max goodput exceeds `needs` times it.
+    """
 
     label: str
     best_scale: float | None
@@ -101,6 +106,7 @@ class Measured(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     best: RunSummary | None
     failure: str | None = None
     failing: RunSummary | None = None  # the probe at `failing_scale`: why it fell short
+    screened: bool = False
 
 
 class Verdict(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

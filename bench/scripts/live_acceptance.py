@@ -18,7 +18,9 @@ A live probe runs the workers, router and client on this machine in real time, s
 the machine can carry is measured here: small clusters, the recorded traces and the matrix's
 long-prompt classes (its short-prompt ones stream hundreds of thousands of tokens per second
 on 8 GPUs, the simulator's job). `--variants` picks labels (e.g. the split and threshold the
-simulator found best) to keep a run within minutes.
+simulator found best) to keep a run within minutes; `--screen` instead searches adaptive first
+and probes each baseline once, at adaptive's max goodput over the workload's needs, searching
+only the baselines that pass there (a baseline that fails there is beaten by construction).
 
     .venv/bin/python -m bench.scripts.live_acceptance --traces azure-conv \\
         --cluster 2xh200-sxm/llama-3.1-8b --span-s 20 --out bench-out/live-acceptance
@@ -30,7 +32,7 @@ import argparse
 import asyncio
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 
 import msgspec
@@ -138,6 +140,42 @@ def render_probes(probes: Sequence[Probe], command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+Run = Callable[[TraceSource | MatrixSource, str, CompareSpec, StackSpec, float],
+              Awaitable[tuple[RunSummary, int, float]]]  # fmt: skip
+
+
+async def screen(
+    source: TraceSource | MatrixSource, variant: Variant, spec: CompareSpec, stack: StackSpec,
+    adaptive: Measured, needs: float, run: Run = _run_at,
+) -> Measured | None:  # fmt: skip
+    """One probe of a baseline at adaptive's highest passing scale over `needs`: where it
+    fails there, its screened `Measured` (adaptive beats it by construction); None where it
+    passes (it needs a search) or adaptive passed nowhere."""
+    if adaptive.best_scale is None:
+        return None
+    scale = adaptive.best_scale / needs
+    summary, turns, rps = await run(source, variant.label, spec, stack, scale)
+    if summary.slo_attainment >= GOODPUT_TARGET:
+        return None
+    probes = [Offered(scale, summary.slo_attainment, turns, rps)]
+    return Measured(
+        label=variant.label, best_scale=None, failing_scale=scale,
+        max_goodput_rps=_rps_at(source, probes, scale), probes=probes, best=None,
+        failing=summary, screened=True,
+    )  # fmt: skip
+
+
+def _rps_at(source: TraceSource | MatrixSource, probes: list[Offered], scale: float) -> float:
+    """A probe scale's arrival rate: a trace's by scale (every variant replays the same windows,
+    but a window's own rate is no measure when the trace's density varies along it: a short
+    window can be a burst); a matrix class's, its probe's (generated sessions arrive at one
+    steady rate, as in the simulator's search)."""
+    if isinstance(source, TraceSource):
+        whole = source.trace
+        return scale * whole.num_turns / max(whole.duration_s, 1e-9)
+    return offered_rps(probes, scale)
+
+
 async def search(
     source: TraceSource | MatrixSource, variant: Variant, spec: CompareSpec, start: float,
     stack: StackSpec,
@@ -160,16 +198,7 @@ async def search(
             found: GoodputSearch = done.value
             break
     best = found.best_scale
-    if best is None:
-        rps = 0.0
-    elif isinstance(source, TraceSource):
-        # By scale: every variant replays the same windows, but a window's own arrival rate
-        # is no measure when the trace's density varies along it (a short window can be a
-        # burst); generated sessions arrive at one steady rate, as in the simulator's search
-        whole = source.trace
-        rps = best * whole.num_turns / max(whole.duration_s, 1e-9)
-    else:
-        rps = offered_rps(probes, best)
+    rps = 0.0 if best is None else _rps_at(source, probes, best)
     return Measured(
         label=variant.label, best_scale=best, failing_scale=found.failing_scale,
         max_goodput_rps=rps,
@@ -209,6 +238,9 @@ def _parser() -> argparse.ArgumentParser:
     add("--variants", default="", help="comma-separated labels to search (default all)")
     add("--tolerance", type=float, default=0.1, help="search bracket ratio")
     add("--at", type=floats, default=(), help="probe these rate scales instead of searching")
+    add("--screen", action="store_true",
+        help="search adaptive first, then probe each baseline once at adaptive's max goodput "
+        "(over the workload's needs) and search only those that pass there")  # fmt: skip
     add("--scheduling-policy", choices=("priority", "fcfs"), default="priority",
         help="the engines' (priority: they admit by the deadlines adaptive sends)")  # fmt: skip
     add("--out", type=Path, default=Path("bench-out/live-acceptance"))
@@ -242,6 +274,8 @@ def _stacks(
     """Each workload the options name, with each chosen variant's spec and stack."""
     cluster = ClusterSpec.parse(args.cluster)
     contenders = chosen(variants(args.splits, args.thresholds, split=False), args.variants)
+    if args.screen:  # the baselines are screened against adaptive's search
+        contenders.sort(key=lambda v: v.label != "adaptive")
     for workload in workloads(args):
         for variant in contenders:
             spec = spec_of(variant, cluster, args.tolerance)
@@ -260,8 +294,17 @@ async def _main(args: argparse.Namespace) -> list[Verdict]:
     measured: dict[str, tuple[Workload, list[Measured]]] = {}
     for workload, variant, spec, stack in _stacks(args):
         started = time.monotonic()
-        found = await search(workload.source, variant, spec, args.start, stack)
-        measured.setdefault(workload.name, (workload, []))[1].append(found)
+        so_far = measured.setdefault(workload.name, (workload, []))[1]
+        adaptive = next((m for m in so_far if m.label == "adaptive"), None)
+        found = None
+        if args.screen and adaptive is not None:
+            found = await screen(workload.source, variant, spec, stack, adaptive, workload.needs)
+        if found is None:
+            start = args.start
+            if args.screen and adaptive is not None and adaptive.best_scale is not None:
+                start = adaptive.best_scale / workload.needs  # it passed there: search up
+            found = await search(workload.source, variant, spec, start, stack)
+        so_far.append(found)
         print(f"{workload.name} / {variant.label}: {found.max_goodput_rps:.3g} req/s "
               f"({time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True)  # fmt: skip
     return [verdict(workload, found) for workload, found in measured.values()]

@@ -10,18 +10,21 @@ import pytest
 
 from bench.compare import plan
 from bench.layout import ClusterSpec
-from bench.metrics import MissCauses
-from bench.scripts.acceptance_workloads import variants
+from bench.metrics import MissCauses, RunSummary, summarise
+from bench.scripts.acceptance import render, verdict
+from bench.scripts.acceptance_workloads import Measured, Offered, Workload, variants
 from bench.scripts.live_acceptance import (
     Probe,
     _parser,
     _stacks,
     chosen,
     render_probes,
+    screen,
     spec_of,
     stack_of,
     workloads,
 )
+from bench.up import StackSpec
 
 CLUSTER = ClusterSpec.parse("4xh200-sxm/llama-3.1-8b")
 ALL = variants([1, 2], [256, 1024], split=False)
@@ -128,3 +131,95 @@ def test_each_named_workload_gets_each_chosen_variants_stack(tmp_path: Path) -> 
     ]  # fmt: skip
     assert {stack.scheduling_policy for _, _, stack in planned} == {"fcfs"}
     assert planned[0][2].log_dir == str(tmp_path / "p4096-g512-none/threshold-1024/logs/threshold")
+
+
+def _summary(scale: float, attainment: float) -> RunSummary:
+    empty = summarise([], "threshold", scale, 20.0, "decode")
+    return msgspec.structs.replace(empty, slo_attainment=attainment)
+
+
+def _adaptive(best: float | None, rps: float) -> Measured:
+    return Measured(label="adaptive", best_scale=best, failing_scale=None if best is None else
+                    best * 1.1, max_goodput_rps=rps, probes=[], best=None)  # fmt: skip
+
+
+def _class(name: str, tmp_path: Path) -> Workload:
+    args = _parser().parse_args(["--traces", "", "--classes", name, "--out", str(tmp_path)])
+    (workload,) = workloads(args)
+    return workload
+
+
+@pytest.mark.parametrize(
+    ("workload_name", "attainment", "probed_at", "screened"),
+    [
+        ("p4096-g64-none", 0.60, 4.0, True),  # fails where adaptive passed: bounded
+        ("p4096-g64-none", 0.95, 4.0, False),  # passes there: it needs a search
+        ("mixed-multi-turn", 0.80, 4.0 / 1.2, True),  # probed at adaptive's over the 1.2 needed
+    ],
+)  # fmt: skip
+async def test_a_screen_probes_a_baseline_once_at_adaptives_max_over_the_needs(
+    workload_name: str, attainment: float, probed_at: float, screened: bool, tmp_path: Path
+) -> None:  # fmt: skip
+    workload = _class(workload_name, tmp_path)
+    (variant,) = [v for v in ALL if v.label == "threshold 256"]
+    spec = spec_of(variant, CLUSTER, tolerance=0.1)
+    stack = stack_of(spec, tmp_path, "priority")
+    probed: list[float] = []
+
+    async def run(
+        source: object, label: str, spec_: object, stack_: StackSpec, scale: float
+    ) -> tuple[RunSummary, int, float]:
+        assert label == "threshold 256" and stack_ is stack
+        probed.append(scale)
+        return _summary(scale, attainment), 300, 7.5 * scale
+
+    found = await screen(workload.source, variant, spec, stack, _adaptive(4.0, 30.0),
+                         workload.needs, run)  # fmt: skip
+    assert probed == [pytest.approx(probed_at)]
+    if not screened:
+        assert found is None
+        return
+    assert found is not None and found.screened
+    assert found.best_scale is None and found.failing_scale == pytest.approx(probed_at)
+    assert found.max_goodput_rps == pytest.approx(7.5 * probed_at)  # the probe's own rate
+    assert found.probes == [Offered(probed_at, attainment, 300, 7.5 * probed_at)]
+
+
+async def test_no_screen_when_adaptive_passed_nowhere(tmp_path: Path) -> None:
+    workload = _class("p4096-g64-none", tmp_path)
+    (variant,) = [v for v in ALL if v.label == "colocate"]
+    spec = spec_of(variant, CLUSTER, tolerance=0.1)
+
+    async def run(*_: object) -> tuple[RunSummary, int, float]:
+        raise AssertionError("nothing to screen against: no probe")
+
+    stack = stack_of(spec, tmp_path, "priority")
+    assert await screen(workload.source, variant, spec, stack, _adaptive(None, 0.0), 1.0,
+                        run) is None  # fmt: skip
+
+
+def test_a_screened_baseline_is_beaten_by_construction_and_reported_as_a_bound(
+    tmp_path: Path,
+) -> None:
+    workload = _class("mixed-multi-turn", tmp_path)
+    adaptive = _adaptive(4.0, 11.9)
+    # failed at 4 / 1.2: its rate there (10.0, generated arrivals vary) bounds its max goodput
+    screened = Measured(label="colocate", best_scale=None, failing_scale=4.0 / 1.2,
+                        max_goodput_rps=10.0, probes=[], best=None, screened=True)  # fmt: skip
+    searched = Measured(label="round-robin", best_scale=2.0, failing_scale=2.2,
+                        max_goodput_rps=6.0, probes=[], best=None)  # fmt: skip
+    result = verdict(workload, [adaptive, screened, searched])
+    assert result.baseline == "colocate" and result.passed  # 11.9 / 10 < 1.2, yet beaten
+    row = render([result], "cmd", []).split("| mixed-multi-turn |")[1]
+    assert "| colocate | <10 | 11.9 | >1.19 | pass |" in row
+    # a searched baseline above adaptive's needs still fails it
+    better = msgspec.structs.replace(searched, max_goodput_rps=11.0)
+    assert not verdict(workload, [adaptive, screened, better]).passed
+
+
+def test_screening_searches_adaptive_first(tmp_path: Path) -> None:
+    args = _parser().parse_args([
+        "--traces", "", "--classes", "p4096-g512-none", "--cluster", "2xh200-sxm/llama-3.1-8b",
+        "--variants", "colocate,threshold 1024", "--screen", "--out", str(tmp_path),
+    ])  # fmt: skip
+    assert [v.label for _, v, _, _ in _stacks(args)] == ["adaptive", "colocate", "threshold 1024"]
