@@ -41,7 +41,7 @@ from bench.compare import CompareSpec, plan, run_policy
 from bench.des.goodput import GoodputSearch, goodput_search
 from bench.layout import ClusterSpec
 from bench.metrics import MissCauses, RunSummary
-from bench.scripts.acceptance import default_matrix, ints, names, render, verdict
+from bench.scripts.acceptance import default_matrix, ints, names, render, reused, verdict
 from bench.scripts.acceptance_workloads import (
     TRACES,
     MatrixSource,
@@ -243,6 +243,8 @@ def _parser() -> argparse.ArgumentParser:
         "(over the workload's needs) and search only those that pass there")  # fmt: skip
     add("--scheduling-policy", choices=("priority", "fcfs"), default="priority",
         help="the engines' (priority: they admit by the deadlines adaptive sends)")  # fmt: skip
+    add("--reuse", type=Path, metavar="JSON",
+        help="take the searches and screens an earlier live-acceptance.json holds")  # fmt: skip
     add("--out", type=Path, default=Path("bench-out/live-acceptance"))
     return parser
 
@@ -290,13 +292,18 @@ async def _probes(args: argparse.Namespace) -> list[Probe]:
     return probes
 
 
-async def _main(args: argparse.Namespace) -> list[Verdict]:
+async def _main(args: argparse.Namespace, known: dict[str, dict[str, Measured]]) -> list[Verdict]:
     measured: dict[str, tuple[Workload, list[Measured]]] = {}
     for workload, variant, spec, stack in _stacks(args):
         started = time.monotonic()
         so_far = measured.setdefault(workload.name, (workload, []))[1]
         adaptive = next((m for m in so_far if m.label == "adaptive"), None)
-        found = None
+        found = known.get(workload.name, {}).get(variant.label)
+        if found is not None:
+            so_far.append(found)
+            print(f"{workload.name} / {variant.label}: {found.max_goodput_rps:.3g} req/s "
+                  f"(reused)", file=sys.stderr, flush=True)  # fmt: skip
+            continue
         if args.screen and adaptive is not None:
             found = await screen(workload.source, variant, spec, stack, adaptive, workload.needs)
         if found is None:
@@ -322,7 +329,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         (args.out / "live-probes.md").write_text(text := render_probes(probes, command), "utf-8")
         print(text)
         return 0
-    verdicts = asyncio.run(_main(args))
+    known = reused(args.reuse, remeasure="") if args.reuse is not None else {}
+    verdicts = asyncio.run(_main(args, known))
     notes = [
         f"Live: simulated workers ({args.cluster}), the router and the replay client in real "
         f"time on this machine; each probe a fresh stack replaying {args.span_s:g} s of the "

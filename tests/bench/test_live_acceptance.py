@@ -12,12 +12,13 @@ from bench.compare import plan
 from bench.layout import ClusterSpec
 from bench.metrics import MissCauses, RunSummary, summarise
 from bench.scripts.acceptance import render, verdict
-from bench.scripts.acceptance_workloads import Measured, Offered, Workload, variants
+from bench.scripts.acceptance_workloads import Measured, Offered, Verdict, Workload, variants
 from bench.scripts.live_acceptance import (
     Probe,
     _parser,
     _stacks,
     chosen,
+    main,
     render_probes,
     screen,
     spec_of,
@@ -223,3 +224,36 @@ def test_screening_searches_adaptive_first(tmp_path: Path) -> None:
         "--variants", "colocate,threshold 1024", "--screen", "--out", str(tmp_path),
     ])  # fmt: skip
     assert [v.label for _, v, _, _ in _stacks(args)] == ["adaptive", "colocate", "threshold 1024"]
+
+
+def test_reused_searches_and_screens_are_not_run_again(tmp_path: Path) -> None:
+    adaptive = _adaptive(4.0, 30.0)
+    colocate = Measured(label="colocate", best_scale=None, failing_scale=4.0,
+                        max_goodput_rps=30.0, probes=[], best=None, screened=True)  # fmt: skip
+    earlier = [Verdict("p4096-g64-none", 1.0, "colocate", 30.0, 30.0, 1.0, True,
+                       [adaptive, colocate])]  # fmt: skip
+    (tmp_path / "earlier.json").write_bytes(msgspec.json.encode(earlier))
+    out = tmp_path / "out"
+    # every variant asked for was measured before: no stack starts (one would take minutes)
+    assert (
+        main(
+            [
+                "--traces",
+                "",
+                "--classes",
+                "p4096-g64-none",
+                "--variants",
+                "colocate",
+                "--screen",
+                "--reuse",
+                str(tmp_path / "earlier.json"),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    report = (out / "live-acceptance.md").read_text()
+    assert "| p4096-g64-none | 1x | colocate | <30 | 30 | >1.00 | pass |" in report
+    again = msgspec.json.decode((out / "live-acceptance.json").read_bytes(), type=list[Verdict])
+    assert again[0].measured == [adaptive, colocate]
