@@ -200,7 +200,9 @@ def verdict(workload: Workload, measured: list[Measured]) -> Verdict:
                    adaptive.max_goodput_rps, ratio, passed, measured)  # fmt: skip
 
 
-def _rps(m: Measured) -> str:
+def rps_text(m: Measured) -> str:
+    """A variant's max goodput as the tables show it: "<" an upper bound (screened), ">=" a
+    lower bound (nothing failed)."""
     if m.failure:
         return "failed"
     if m.screened:
@@ -210,7 +212,7 @@ def _rps(m: Measured) -> str:
 
 
 def _baseline_rps(v: Verdict) -> str:
-    return next((_rps(m) for m in v.measured if m.label == v.baseline), f"{v.baseline_rps:.3g}")
+    return next((rps_text(m) for m in v.measured if m.label == v.baseline), f"{v.baseline_rps:.3g}")
 
 
 def _ratio(v: Verdict) -> str:
@@ -232,7 +234,7 @@ def render(verdicts: Sequence[Verdict], command: str, notes: Sequence[str]) -> s
     labels = [m.label for m in verdicts[0].measured] if verdicts else []
     head = "| workload | " + " | ".join(labels) + " |"
     lines += ["## Max goodput per variant (requests/s)", "", head, "|---|" + "---:|" * len(labels)]
-    lines += [f"| {v.workload} | " + " | ".join(map(_rps, v.measured)) + " |" for v in verdicts]
+    lines += [f"| {v.workload} | " + " | ".join(map(rps_text, v.measured)) + " |" for v in verdicts]
     return "\n".join([*lines, *_shortfalls(verdicts), ""])
 
 

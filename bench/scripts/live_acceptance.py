@@ -41,7 +41,15 @@ from bench.compare import CompareSpec, plan, run_policy
 from bench.des.goodput import GoodputSearch, goodput_search
 from bench.layout import ClusterSpec
 from bench.metrics import MissCauses, RunSummary
-from bench.scripts.acceptance import default_matrix, ints, names, render, reused, verdict
+from bench.scripts.acceptance import (
+    default_matrix,
+    ints,
+    names,
+    render,
+    reused,
+    rps_text,
+    verdict,
+)
 from bench.scripts.acceptance_workloads import (
     TRACES,
     MatrixSource,
@@ -301,8 +309,8 @@ async def _main(args: argparse.Namespace, known: dict[str, dict[str, Measured]])
         found = known.get(workload.name, {}).get(variant.label)
         if found is not None:
             so_far.append(found)
-            print(f"{workload.name} / {variant.label}: {found.max_goodput_rps:.3g} req/s "
-                  f"(reused)", file=sys.stderr, flush=True)  # fmt: skip
+            print(f"{workload.name} / {variant.label}: {rps_text(found)} req/s (reused)",
+                  file=sys.stderr, flush=True)  # fmt: skip
             continue
         if args.screen and adaptive is not None:
             found = await screen(workload.source, variant, spec, stack, adaptive, workload.needs)
@@ -312,7 +320,7 @@ async def _main(args: argparse.Namespace, known: dict[str, dict[str, Measured]])
                 start = adaptive.best_scale / workload.needs  # it passed there: search up
             found = await search(workload.source, variant, spec, start, stack)
         so_far.append(found)
-        print(f"{workload.name} / {variant.label}: {found.max_goodput_rps:.3g} req/s "
+        print(f"{workload.name} / {variant.label}: {rps_text(found)} req/s "
               f"({time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True)  # fmt: skip
     return [verdict(workload, found) for workload, found in measured.values()]
 
