@@ -187,13 +187,15 @@ def _plan(variant: Variant, template: SimConfig) -> PolicyRun:
 
 
 def verdict(workload: Workload, measured: list[Measured]) -> Verdict:
-    """Adaptive against the best baseline (the first of equals, in variant order)."""
+    """Adaptive against the best searched baseline (the first of equals, in variant order);
+    screened baselines failed where adaptive passed (over `needs`): beaten by construction,
+    they are the best only when no baseline was searched."""
     adaptive = next(m for m in measured if m.label == "adaptive")
     baselines = [m for m in measured if not m.label.startswith("adaptive")]
-    best = max(baselines, key=lambda m: m.max_goodput_rps)
+    searched = [m for m in baselines if not m.screened]
+    best = max(searched or baselines, key=lambda m: m.max_goodput_rps)
     ours, theirs = adaptive.max_goodput_rps, best.max_goodput_rps
     ratio = ours / theirs if theirs > 0 else (math.inf if ours > 0 else 1.0)
-    # a screened baseline failed where adaptive passed (over `needs`): beaten by construction
     beaten = best.screened and adaptive.best_scale is not None
     passed = adaptive.failure is None and (ratio >= workload.needs or beaten)
     return Verdict(workload.name, workload.needs, best.label, best.max_goodput_rps,

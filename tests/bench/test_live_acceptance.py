@@ -207,13 +207,19 @@ def test_a_screened_baseline_is_beaten_by_construction_and_reported_as_a_bound(
     # failed at 4 / 1.2: its rate there (10.0, generated arrivals vary) bounds its max goodput
     screened = Measured(label="colocate", best_scale=None, failing_scale=4.0 / 1.2,
                         max_goodput_rps=10.0, probes=[], best=None, screened=True)  # fmt: skip
+    alone = verdict(workload, [adaptive, screened])
+    assert alone.baseline == "colocate" and alone.passed  # 11.9 / 10 < 1.2, yet beaten
+    row = render([alone], "cmd", []).split("| mixed-multi-turn |")[1]
+    assert "| colocate | <10 | 11.9 | >1.19 | pass |" in row
+    # beside a searched baseline, that one is the best, even below the screened bound
     searched = Measured(label="round-robin", best_scale=2.0, failing_scale=2.2,
                         max_goodput_rps=6.0, probes=[], best=None)  # fmt: skip
-    result = verdict(workload, [adaptive, screened, searched])
-    assert result.baseline == "colocate" and result.passed  # 11.9 / 10 < 1.2, yet beaten
-    row = render([result], "cmd", []).split("| mixed-multi-turn |")[1]
-    assert "| colocate | <10 | 11.9 | >1.19 | pass |" in row
-    # a searched baseline above adaptive's needs still fails it
+    both = verdict(workload, [adaptive, screened, searched])
+    assert (both.baseline, both.passed, both.ratio) == ("round-robin", True, 11.9 / 6.0)
+    text = render([both], "cmd", [])
+    assert "| mixed-multi-turn | 1.2x | round-robin | 6 | 11.9 | 1.98 | pass |" in text
+    assert "| mixed-multi-turn | 11.9 | <10 | 6 |" in text
+    # a searched baseline above adaptive's over the needs fails it
     better = msgspec.structs.replace(searched, max_goodput_rps=11.0)
     assert not verdict(workload, [adaptive, screened, better]).passed
 
