@@ -30,10 +30,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from pathlib import Path
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -67,6 +69,8 @@ from bench.scripts.acceptance_workloads import (
 from bench.simulate import GOODPUT_TARGET
 from bench.traces import load_trace
 from bench.up import StackSpec
+
+_T = TypeVar("_T")
 
 
 def spec_of(variant: Variant, cluster: ClusterSpec, tolerance: float) -> CompareSpec:
@@ -300,7 +304,21 @@ async def _probes(args: argparse.Namespace) -> list[Probe]:
     return probes
 
 
-async def _main(args: argparse.Namespace, known: dict[str, dict[str, Measured]]) -> list[Verdict]:
+def _verdicts(measured: dict[str, tuple[Workload, list[Measured]]]) -> list[Verdict]:
+    """The verdicts of the workloads with adaptive and at least one baseline measured."""
+    return [
+        verdict(workload, found)
+        for workload, found in measured.values()
+        if any(m.label == "adaptive" for m in found) and any(m.label != "adaptive" for m in found)
+    ]
+
+
+async def _main(
+    args: argparse.Namespace, known: dict[str, dict[str, Measured]],
+    checkpoint: Callable[[list[Verdict]], object],
+) -> list[Verdict]:  # fmt: skip
+    """Every variant's search (or screen) of every workload; `checkpoint` gets the verdicts so
+    far after each, so a run stopped midway keeps what it measured (see `--reuse`)."""
     measured: dict[str, tuple[Workload, list[Measured]]] = {}
     for workload, variant, spec, stack in _stacks(args):
         started = time.monotonic()
@@ -322,7 +340,25 @@ async def _main(args: argparse.Namespace, known: dict[str, dict[str, Measured]])
         so_far.append(found)
         print(f"{workload.name} / {variant.label}: {rps_text(found)} req/s "
               f"({time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True)  # fmt: skip
-    return [verdict(workload, found) for workload, found in measured.values()]
+        checkpoint(_verdicts(measured))
+    return _verdicts(measured)
+
+
+def _until_sigterm(main: Coroutine[Any, Any, _T]) -> _T:
+    """Run `main`; SIGTERM cancels it as Ctrl-C does, so the stacks it started are stopped
+    (their workers, routers and Redis servers are not left behind)."""
+
+    async def wrapper() -> _T:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        loop.add_signal_handler(signal.SIGTERM, task.cancel)
+        try:
+            return await main
+        finally:
+            loop.remove_signal_handler(signal.SIGTERM)
+
+    return asyncio.run(wrapper())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -330,7 +366,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     command = "python -m bench.scripts.live_acceptance " + " ".join(argv or sys.argv[1:])
     if args.at:
-        probes = asyncio.run(_probes(args))
+        try:
+            probes = _until_sigterm(_probes(args))
+        except (asyncio.CancelledError, KeyboardInterrupt):
+            print("stopped", file=sys.stderr)
+            return 130
         args.out.mkdir(parents=True, exist_ok=True)
         encoded = msgspec.json.format(msgspec.json.encode(probes))
         (args.out / "live-probes.json").write_bytes(encoded)
@@ -338,20 +378,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(text)
         return 0
     known = reused(args.reuse, remeasure="") if args.reuse is not None else {}
-    verdicts = asyncio.run(_main(args, known))
-    notes = [
-        f"Live: simulated workers ({args.cluster}), the router and the replay client in real "
-        f"time on this machine; each probe a fresh stack replaying {args.span_s:g} s of the "
-        f"trace's scaled arrivals (at least {args.min_turns} turns), as the simulator's "
-        "acceptance does; adaptive and colocate on mixed workers, the splitting baselines on "
-        "K prefill + the rest decode workers.",
-        f"Search tolerance {args.tolerance:g}. {time.monotonic() - started:.0f} s wall clock.",
-    ]
-    args.out.mkdir(parents=True, exist_ok=True)
-    encoded = msgspec.json.format(msgspec.json.encode(verdicts))
-    (args.out / "live-acceptance.json").write_bytes(encoded)
-    (args.out / "live-acceptance.md").write_text(text := render(verdicts, command, notes), "utf-8")
-    print(text)
+
+    def write(verdicts: list[Verdict], final: bool) -> str:
+        notes = [
+            f"Live: simulated workers ({args.cluster}), the router and the replay client in "
+            f"real time on this machine; each probe a fresh stack replaying {args.span_s:g} s "
+            f"of the trace's scaled arrivals (at least {args.min_turns} turns), as the "
+            "simulator's acceptance does; adaptive and colocate on mixed workers, the splitting "
+            "baselines on K prefill + the rest decode workers.",
+            f"Search tolerance {args.tolerance:g}. {time.monotonic() - started:.0f} s wall "
+            f"clock{'' if final else '; not finished: the searches so far'}.",
+        ]
+        args.out.mkdir(parents=True, exist_ok=True)
+        encoded = msgspec.json.format(msgspec.json.encode(verdicts))
+        (args.out / "live-acceptance.json").write_bytes(encoded)
+        text = render(verdicts, command, notes)
+        (args.out / "live-acceptance.md").write_text(text, "utf-8")
+        return text
+
+    try:
+        verdicts = _until_sigterm(_main(args, known, lambda so_far: write(so_far, False)))
+    except (asyncio.CancelledError, KeyboardInterrupt):
+        print(f"stopped; what was measured is in {args.out} (--reuse takes it up)",
+              file=sys.stderr)  # fmt: skip
+        return 130
+    print(write(verdicts, True))
     return 0 if all(v.passed for v in verdicts) else 1
 
 
