@@ -3,6 +3,9 @@ runs); and the fixed-rate probes' table."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import msgspec
@@ -263,3 +266,44 @@ def test_reused_searches_and_screens_are_not_run_again(tmp_path: Path) -> None:
     assert "| p4096-g64-none | 1x | colocate | <30 | 30 | >1.00 | pass |" in report
     again = msgspec.json.decode((out / "live-acceptance.json").read_bytes(), type=list[Verdict])
     assert again[0].measured == [adaptive, colocate]
+
+
+def _children(pid: int) -> set[int]:
+    found = set()
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        found |= {int(c) for c in (task / "children").read_text().split()}
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in status  # a zombie has exited
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc")
+def test_sigterm_stops_the_run_and_every_process_its_stack_started(tmp_path: Path) -> None:
+    run = subprocess.Popen(
+        [sys.executable, "-m", "bench.scripts.live_acceptance", "--traces", "", "--classes",
+         "p4096-g64-none", "--cluster", "2xh200-sxm/llama-3.1-8b", "--splits", "1",
+         "--variants", "colocate", "--out", str(tmp_path)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while len(started := _children(run.pid)) < 2:  # the simulated workers and the router
+            assert run.poll() is None and time.monotonic() < deadline, "no stack started"
+            time.sleep(0.2)
+        descendants = started | {g for c in started for g in _children(c)}  # the router's Redis
+        run.terminate()
+        _, err = run.communicate(timeout=30)
+    finally:
+        run.kill()
+    assert run.returncode == 130
+    assert b"--reuse takes it up" in err
+    deadline = time.monotonic() + 10
+    while (left := {pid for pid in descendants if _alive(pid)}) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, f"left behind: {left}"
