@@ -18,10 +18,10 @@ import signal
 import socket
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Literal
+from typing import IO, Any, Literal, TypeVar
 
 import aiohttp
 import msgspec
@@ -31,6 +31,8 @@ from bench.metrics import FirstTokenConvention
 from policies import create_policy
 from policies.types import Role
 from sim.presets import deployment_from_names
+
+_T = TypeVar("_T")
 
 _CLI = (sys.executable, "-m", "session_router_cli")
 
@@ -272,6 +274,23 @@ class LocalStack:
             await self._router.stop()
         finally:
             await self._sim.stop()
+
+
+def run_stopping_on_sigterm(main: Coroutine[Any, Any, _T]) -> _T:
+    """Run `main`; SIGTERM cancels it as Ctrl-C does, so the stacks it started are stopped
+    (their workers, routers and Redis servers are not left behind)."""
+
+    async def wrapper() -> _T:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        loop.add_signal_handler(signal.SIGTERM, task.cancel)
+        try:
+            return await main
+        finally:
+            loop.remove_signal_handler(signal.SIGTERM)
+
+    return asyncio.run(wrapper())
 
 
 def curl_example(url: str, model: str) -> str:

@@ -30,6 +30,7 @@ from bench.metrics import RequestResult, RunSummary, Summary
 from bench.outputs import write_run_outputs
 from bench.simulate import plan_runs, run_one
 from bench.traces import Trace, load_trace
+from bench.up import run_stopping_on_sigterm
 
 # the shared traces lie beside the checkout
 DEFAULT_TRACE = str(
@@ -136,9 +137,16 @@ def main() -> int:
     results: list[RequestResult] = []
     verdicts: list[Agreement] = []
     for policy in (p.strip() for p in args.policies.split(",") if p.strip()):
-        sides = [("live", *asyncio.run(live_run(trace, policy, args, out / "live")))]
-        if args.live_runs == 2:
-            sides.append(("live2", *asyncio.run(live_run(trace, policy, args, out / "live2"))))
+        try:
+            sides = [
+                ("live", *run_stopping_on_sigterm(live_run(trace, policy, args, out / "live")))
+            ]
+            if args.live_runs == 2:
+                second = run_stopping_on_sigterm(live_run(trace, policy, args, out / "live2"))
+                sides.append(("live2", *second))
+        except (asyncio.CancelledError, KeyboardInterrupt):
+            print("stopped", file=sys.stderr)
+            return 130
         sides.append(("des", *des_run(trace, policy, args)))
         live = sides[0][1]
         verdicts += [agreement(policy, side, live, summary) for side, summary, _ in sides[1:]]

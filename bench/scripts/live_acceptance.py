@@ -30,12 +30,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
 
 import msgspec
 
@@ -68,9 +66,7 @@ from bench.scripts.acceptance_workloads import (
 )
 from bench.simulate import GOODPUT_TARGET
 from bench.traces import load_trace
-from bench.up import StackSpec
-
-_T = TypeVar("_T")
+from bench.up import StackSpec, run_stopping_on_sigterm
 
 
 def spec_of(variant: Variant, cluster: ClusterSpec, tolerance: float) -> CompareSpec:
@@ -344,30 +340,13 @@ async def _main(
     return _verdicts(measured)
 
 
-def _until_sigterm(main: Coroutine[Any, Any, _T]) -> _T:
-    """Run `main`; SIGTERM cancels it as Ctrl-C does, so the stacks it started are stopped
-    (their workers, routers and Redis servers are not left behind)."""
-
-    async def wrapper() -> _T:
-        loop = asyncio.get_running_loop()
-        task = asyncio.current_task()
-        assert task is not None
-        loop.add_signal_handler(signal.SIGTERM, task.cancel)
-        try:
-            return await main
-        finally:
-            loop.remove_signal_handler(signal.SIGTERM)
-
-    return asyncio.run(wrapper())
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     started = time.monotonic()
     command = "python -m bench.scripts.live_acceptance " + " ".join(argv or sys.argv[1:])
     if args.at:
         try:
-            probes = _until_sigterm(_probes(args))
+            probes = run_stopping_on_sigterm(_probes(args))
         except (asyncio.CancelledError, KeyboardInterrupt):
             print("stopped", file=sys.stderr)
             return 130
@@ -397,7 +376,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return text
 
     try:
-        verdicts = _until_sigterm(_main(args, known, lambda so_far: write(so_far, False)))
+        verdicts = run_stopping_on_sigterm(_main(args, known, lambda so_far: write(so_far, False)))
     except (asyncio.CancelledError, KeyboardInterrupt):
         print(f"stopped; what was measured is in {args.out} (--reuse takes it up)",
               file=sys.stderr)  # fmt: skip
