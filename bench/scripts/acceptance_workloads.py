@@ -95,7 +95,7 @@ class Measured(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     `screened`: not searched but probed once, at adaptive's highest passing scale over the
     workload's `needs`, and it failed there: `max_goodput_rps` is that probe's rate, a strict
-    upper bound, and adaptive's max goodput exceeds `needs` times it.
+    upper bound, and adaptive passed `needs` times the rate scale it failed at.
     """
 
     label: str
