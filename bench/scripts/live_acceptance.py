@@ -41,15 +41,8 @@ from bench.compare import CompareSpec, plan, run_policy
 from bench.des.goodput import GoodputSearch, goodput_search
 from bench.layout import ClusterSpec
 from bench.metrics import MissCauses, RunSummary
-from bench.scripts.acceptance import (
-    default_matrix,
-    ints,
-    names,
-    render,
-    reused,
-    rps_text,
-    verdict,
-)
+from bench.scripts.acceptance import default_matrix, ints, names, reused
+from bench.scripts.acceptance_verdicts import render, rps_text, verdict
 from bench.scripts.acceptance_workloads import (
     TRACES,
     MatrixSource,

@@ -18,10 +18,9 @@ from bench.scripts.acceptance import (
     main,
     matrix_spec,
     measure,
-    render,
     reused,
-    verdict,
 )
+from bench.scripts.acceptance_verdicts import render, verdict
 from bench.scripts.acceptance_workloads import (
     MULTI_TURN_NEEDS,
     REPLICA_SEED_STRIDE,

@@ -14,7 +14,7 @@ import pytest
 from bench.compare import plan
 from bench.layout import ClusterSpec
 from bench.metrics import MissCauses, RunSummary, summarise
-from bench.scripts.acceptance import render, verdict
+from bench.scripts.acceptance_verdicts import render, verdict
 from bench.scripts.acceptance_workloads import Measured, Offered, Verdict, Workload, variants
 from bench.scripts.live_acceptance import (
     Probe,
