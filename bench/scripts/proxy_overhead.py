@@ -135,7 +135,7 @@ def _measure(args: argparse.Namespace, work_us: float, script: str, paced: str) 
         [sys.executable, "-m", "bench.scripts.fast_backend", "--port", str(backend_port),
          "--chunks", str(args.chunks), "--work-us", str(work_us)],
         [sys.executable, "-m", "session_router_cli", "serve", "--port", str(router_port),
-         "--mixed", backend, "--policy", "colocate", "--log-level", "warning"],
+         "--mixed", backend, "--policy", args.policy, "--log-level", "warning"],
     ]  # fmt: skip
     for reference in args.reference:
         name, _, template = reference.partition("=")
@@ -196,6 +196,8 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=1,
                         help="session ids cycled through (1: every commit coalesces)")  # fmt: skip
     parser.add_argument("--work-us", default="0", help="comma-separated backend CPU per request")
+    parser.add_argument("--policy", default="colocate",
+                        help="the router's placement policy (decisions cost CPU)")  # fmt: skip
     parser.add_argument(
         "--paced-streams",
         type=int,
