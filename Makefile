@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TYPED := router policies sim bench session_router_cli.py
 
-.PHONY: test lint typecheck unit demo install clean
+.PHONY: test lint typecheck unit demo install native clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,11 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 install: $(STAMP)
 
+# the router's hot path compiled with mypyc (router/native.py), rebuilt when its sources change;
+# without a C compiler the router runs its Python sources, the same only slower
+native: $(STAMP)
+	$(BIN)/python -m router.native build --if-stale || echo "native hot path not built"
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check $(TYPED) tests
@@ -24,7 +29,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy $(TYPED)
 
-unit: $(STAMP)
+unit: native
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 test: lint typecheck unit
@@ -33,4 +38,4 @@ demo: $(STAMP)
 	$(BIN)/session-router demo
 
 clean:
-	rm -rf $(VENV) *.egg-info .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .native *.egg-info .mypy_cache .ruff_cache .pytest_cache

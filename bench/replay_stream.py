@@ -23,7 +23,7 @@ import aiohttp
 import msgspec
 
 from bench.metrics import Status
-from router.relay import Usage
+from router.usage import Usage
 
 Api = Literal["chat", "completions"]
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from router.relay import reported_cached_tokens
+from router.usage import reported_cached_tokens
 
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder().decode

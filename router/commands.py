@@ -24,12 +24,16 @@ async def serve(config: RouterConfig, announce: bool = True) -> None:
     try:
         await server.start(config.host, config.port)
         if announce:
+            from router import native
+
             workers = ", ".join(f"{w.worker_id} ({w.role})" for w in config.workers)
             print(
                 f"session-router listening on http://{config.host}:{config.port} "
-                f"policy={config.policy.name} redis={config.redis} workers: {workers}",
+                f"policy={config.policy.name} redis={config.redis} "
+                f"native={native.status.split(':')[0]} workers: {workers}",
                 flush=True,
             )
+            logging.getLogger("router").info("compiled hot path %s", native.status)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):

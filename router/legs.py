@@ -10,19 +10,26 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from policies.types import ClusterView, Turn
 from router import adapters
 from router.errors import RouterError, stream_error_frames
 from router.events import StageClock, StageEvents
 from router.http import Response, StreamWriter, UpstreamError, UpstreamResponse
-from router.relay import RelayResult, StreamRelay, Usage, usage_of
-from router.state import SessionRecord, SharedState
+from router.relay import RelayResult, StreamRelay
+from router.state import SessionRecord
 from router.turn_fields import RoutingFields
+from router.usage import Usage, usage_of
 from router.workers import WorkerPool
 
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+class InflightLedger(Protocol):
+    """The fleet's shared in-flight counts, as far as a leg moves them (`SharedState`)."""
+
+    def add_inflight(self, worker_id: str, delta: int) -> None: ...
 
 
 class WorkerUnreachable(Exception):
@@ -102,7 +109,7 @@ class LegRunner:
     def __init__(
         self,
         pool: WorkerPool,
-        state: SharedState,
+        state: InflightLedger,
         clock: StageClock,
         on_upstream_error: Callable[[str, str], None],
     ) -> None:
@@ -241,7 +248,7 @@ class _Inflight:
 
     __slots__ = ("_began", "_state", "_worker", "_worker_id")
 
-    def __init__(self, pool: WorkerPool, state: SharedState, worker_id: str) -> None:
+    def __init__(self, pool: WorkerPool, state: InflightLedger, worker_id: str) -> None:
         self._worker, self._state, self._worker_id = pool.workers[worker_id], state, worker_id
         self._began = -1  # the scrape epoch it began answering in
 

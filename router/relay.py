@@ -8,53 +8,17 @@ client did not ask for usage), the end marker, and, once, the first content fram
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterable, Callable
 from dataclasses import dataclass
-
-import msgspec
+from typing import Protocol
 
 from router.errors import stream_error_frames
-from router.http import StreamWriter, UpstreamError, UpstreamResponse
+from router.http import UpstreamError
+from router.usage import Usage, usage_of
 
 _SEP = b"\n\n"
 _DONE = b"data: [DONE]"
 _ERROR = b'data: {"error"'
-
-
-class Usage(msgspec.Struct):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    prompt_tokens_details: dict[str, int | None] | None = None
-
-    @property
-    def cached_tokens(self) -> int:
-        return self.reported_cached_tokens or 0
-
-    @property
-    def reported_cached_tokens(self) -> int | None:
-        return reported_cached_tokens(self.prompt_tokens_details)
-
-
-def reported_cached_tokens(details: object) -> int | None:
-    """The cached prompt tokens in a usage's `prompt_tokens_details`, where the engine
-    reported them (vLLM with --enable-prompt-tokens-details, SGLang with
-    --enable-cache-report), else None."""
-    found = details.get("cached_tokens") if isinstance(details, dict) else None
-    return found if isinstance(found, int) and found >= 0 else None
-
-
-class _UsageCarrier(msgspec.Struct):
-    usage: Usage | None = None
-
-
-_decode_usage = msgspec.json.Decoder(_UsageCarrier).decode
-
-
-def usage_of(payload: bytes) -> Usage | None:
-    try:
-        return _decode_usage(payload).usage
-    except msgspec.DecodeError:
-        return None
 
 
 def answer_usage(body: bytes) -> Usage | None:
@@ -88,12 +52,20 @@ class RelayResult:
     error: str | None = None  # set when the stream failed mid-way
 
 
+class Downstream(Protocol):
+    """Where a relay writes: the client's stream (`router.http.StreamWriter`)."""
+
+    async def write(self, data: bytes) -> None: ...
+
+    async def end(self, last: bytes = b"") -> None: ...
+
+
 class StreamRelay:
     """Copies one upstream SSE stream to an already prepared client response."""
 
     def __init__(
         self,
-        downstream: StreamWriter,
+        downstream: Downstream,
         forward_usage: bool,
         drop_first_content: bool = False,
         on_first_content: Callable[[], None] | None = None,
@@ -106,7 +78,7 @@ class StreamRelay:
         self._drop_role = drop_first_content
         self.result = RelayResult()
 
-    async def run(self, upstream: UpstreamResponse) -> RelayResult:
+    async def run(self, upstream: AsyncIterable[bytes]) -> RelayResult:
         result = self.result
         pending = b""
         draining = False  # past [DONE]: read to the end, so that the connection can be reused

@@ -1,5 +1,5 @@
-"""HTTP/1.1 messages for router.http, apart from connections: the request and response values
-handlers see, the received-header map, request parsing, and response and request heads."""
+"""HTTP/1.1 for router.http, apart from connections: the received-header map, request parsing,
+and response and request heads (the request and reply values are in `router.http.messages`)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from urllib.parse import parse_qsl, unquote
 
 import httptools
 import msgspec
+
+from router.http.messages import Request
 
 _T = TypeVar("_T")
 _MAX_HEAD_BYTES = 64 * 1024  # request line and headers; llhttp itself sets no limit
@@ -78,28 +80,6 @@ class Headers(Mapping[str, str]):
 
     def __repr__(self) -> str:
         return f"Headers({self._map!r})"
-
-
-class Request(msgspec.Struct, frozen=True):
-    """One parsed request, body included."""
-
-    method: str
-    path: str  # percent-decoded, without the query
-    query: dict[str, str]
-    headers: Headers
-    body: bytes
-    remote: str | None
-    http_version: str  # "1.1" / "1.0"
-    keep_alive: bool = True  # what the client asked for (version and Connection header)
-
-
-class Response(msgspec.Struct, frozen=True):
-    """An ordinary (non-streamed) reply; sent with Content-Length."""
-
-    status: int = 200
-    body: bytes = b""
-    headers: Mapping[str, str] | None = None
-    content_type: str | None = "application/json"
 
 
 class BadRequest(Exception):

@@ -11,11 +11,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable
-from typing import cast
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, cast
 
 from router.http import headers as wire
-from router.http.headers import BadRequest, Headers, Request, RequestReader, Response
+from router.http.headers import BadRequest, Headers, RequestReader
+from router.http.messages import Request, Response
 from router.http.stream import CLOSE, StreamWriter
 
 _log = logging.getLogger(__name__)
@@ -282,9 +283,12 @@ class HttpServer:
 
     @property
     def port(self) -> int:
-        if self._server is None or not self._server.sockets:
+        # uvloop's `sockets` is a list where typeshed says tuple (the compiled hot path checks
+        # declared types): read it as any sequence
+        sockets: Sequence[Any] = getattr(self._server, "sockets", None) or ()
+        if not sockets:
             raise RuntimeError("server not started")
-        port: int = self._server.sockets[0].getsockname()[1]
+        port: int = sockets[0].getsockname()[1]
         return port
 
     def connection_closed(self, conn: _Connection) -> None:

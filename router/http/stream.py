@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from router.http import headers as wire
-from router.http.headers import Request
+from router.http.messages import Request
 
 if TYPE_CHECKING:
     from router.http.server import _Connection

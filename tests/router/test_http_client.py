@@ -18,7 +18,7 @@ from aiohttp import web
 
 from router.http import Handler, HttpServer, StreamWriter
 from router.http.client import UpstreamBodyError, UpstreamConnectError, UpstreamError, UpstreamPool
-from router.http.headers import Request, Response
+from router.http.messages import Request, Response
 from tests.conftest import free_port
 
 CLOSE: Literal["close"] = "close"

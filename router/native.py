@@ -1,0 +1,146 @@
+"""The router's hot path compiled to C with mypyc: which modules, building them, and loading
+them only while they match their sources.
+
+`python -m router.native build` compiles `MODULES` into `.native/` beside the checkout (`make
+install` runs it; it needs a C compiler and Python's headers, and the router runs the same
+without it, only slower). `router/__init__.py` and `router/http/__init__.py` call `activate`,
+which puts the compiled modules ahead of the sources only while the manifest written with them
+names the same Python and the same source hashes: an edited source is never shadowed by a stale
+build. SESSION_ROUTER_NATIVE=0 runs the sources all the same.
+
+mypyc drops a msgspec Struct's class options (frozen, forbid_unknown_fields) and breaks its
+decoding, so a compiled module defines none: `build` refuses one that does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import json
+import os
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+MODULES = (
+    "router/http/headers.py",
+    "router/http/server.py",
+    "router/http/client.py",
+    "router/http/stream.py",
+    "router/proxy.py",
+    "router/legs.py",
+    "router/execute.py",
+    "router/relay.py",
+    "router/errors.py",
+    "router/metric_cells.py",
+    "router/metrics.py",
+    "router/workers.py",
+    "router/state.py",
+    "router/state_view.py",
+    "router/state_queue.py",
+    "router/state_batcher.py",
+)
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / ".native"
+MANIFEST = "manifest.json"
+GROUP = "router_native"  # the shared library every compiled module links: top-level name
+DISABLE = "SESSION_ROUTER_NATIVE"
+
+status = "off: not built"  # what the last `activate` found, for the serve command's log line
+_fresh: dict[tuple[Path, Path], bool] = {}
+
+
+def fingerprint(root: Path, modules: tuple[str, ...] = MODULES) -> dict[str, object]:
+    """What a build is valid for: this Python, and each compiled module's source."""
+    sources = {m: hashlib.sha256((root / m).read_bytes()).hexdigest() for m in modules}
+    return {"python": sys.version, "ext": sysconfig.get_config_var("EXT_SUFFIX"),
+            "sources": sources}  # fmt: skip
+
+
+def activate(package_path: list[str], package: str, root: Path = ROOT, out: Path = OUT) -> bool:
+    """Put the compiled modules of `package` ahead of its sources on `package_path` (the
+    package's `__path__`), when the build in `out` is fresh and not disabled."""
+    global status
+    if os.environ.get(DISABLE, "1") == "0":
+        status = f"off: {DISABLE}=0"
+        return False
+    fresh = _fresh.get((root, out))
+    if fresh is None:
+        fresh = _fresh[(root, out)] = _is_fresh(root, out)
+    compiled = out.joinpath(*package.split("."))
+    if not fresh or not compiled.is_dir():
+        return False
+    if str(out) not in sys.path:
+        sys.path.append(str(out))  # the shared library is a top-level module
+    if str(compiled) not in package_path:
+        package_path.insert(0, str(compiled))
+    status = f"on: {out}"
+    return True
+
+
+def _is_fresh(root: Path, out: Path) -> bool:
+    global status
+    try:
+        built = json.loads((out / MANIFEST).read_text())
+    except (OSError, ValueError):
+        status = "off: not built (make install builds it)"
+        return False
+    try:
+        modules = tuple(built["sources"])
+        current = fingerprint(root, modules)
+    except (OSError, KeyError, TypeError):
+        current = None
+    if built != current:
+        status = "off: the build is older than the sources (make native rebuilds it)"
+        return False
+    return True
+
+
+def defines_struct(source: str) -> bool:
+    """Whether a module's source defines a class deriving from a msgspec Struct."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef):
+            for base in node.bases:
+                name = ast.unparse(base)
+                if name == "Struct" or name.endswith(".Struct"):
+                    return True
+    return False
+
+
+def build(root: Path = ROOT, out: Path = OUT, modules: tuple[str, ...] = MODULES) -> None:
+    """Compile `modules` into `out` and write the manifest `activate` checks."""
+    structs = [m for m in modules if defines_struct((root / m).read_text())]
+    if structs:
+        raise SystemExit(f"these modules define msgspec Structs and cannot be compiled: {structs}")
+    from mypyc.build import mypycify  # a dev dependency: only building needs it
+    from setuptools import setup
+
+    (out / MANIFEST).unlink(missing_ok=True)  # a half-built tree is never fresh
+    here = Path.cwd()
+    os.chdir(root)  # mypy reads the project's configuration, paths are the module names
+    try:
+        with tempfile.TemporaryDirectory() as temp:
+            extensions = mypycify(list(modules), opt_level="3", group_name=GROUP,
+                                  target_dir=temp)  # fmt: skip
+            command = ["-q", "build_ext", "--build-lib", str(out), "--build-temp", temp]
+            setup(name=GROUP, ext_modules=extensions, script_args=command)
+    finally:
+        os.chdir(here)
+    (out / MANIFEST).write_text(json.dumps(fingerprint(root, modules)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("command", choices=("build", "status"))
+    parser.add_argument("--if-stale", action="store_true", help="build only when not fresh")
+    args = parser.parse_args()
+    if args.command == "build" and not (args.if_stale and _is_fresh(ROOT, OUT)):
+        build()
+        _fresh.clear()
+    print("native hot path:", "on" if _is_fresh(ROOT, OUT) else status)
+
+
+if __name__ == "__main__":
+    main()
