@@ -20,7 +20,7 @@ install: $(STAMP)
 # the router's hot path compiled with mypyc (router/native.py), rebuilt when its sources change;
 # without a C compiler the router runs its Python sources, the same only slower
 native: $(STAMP)
-	$(BIN)/python -m router.native build --if-stale || echo "native hot path not built"
+	$(BIN)/session-router native build --if-stale || echo "native hot path not built"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -9,6 +9,7 @@ import logging
 import signal
 from typing import Any
 
+from router import native
 from router.config import ConfigError, RouterConfig, add_serve_options, load_config
 
 
@@ -24,8 +25,6 @@ async def serve(config: RouterConfig, announce: bool = True) -> None:
     try:
         await server.start(config.host, config.port)
         if announce:
-            from router import native
-
             workers = ", ".join(f"{w.worker_id} ({w.role})" for w in config.workers)
             print(
                 f"session-router listening on http://{config.host}:{config.port} "
@@ -68,3 +67,4 @@ def register(subparsers: Any) -> None:
     )  # fmt: skip
     add_serve_options(parser)
     parser.set_defaults(run=_run_serve)
+    native.register(subparsers)

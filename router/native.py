@@ -1,7 +1,7 @@
 """The router's hot path compiled to C with mypyc: which modules, building them, and loading
 them only while they match their sources.
 
-`python -m router.native build` compiles `MODULES` into `.native/` beside the checkout (`make
+`session-router native build` compiles `MODULES` into `.native/` beside the checkout (`make
 install` runs it; it needs a C compiler and Python's headers, and the router runs the same
 without it, only slower). `router/__init__.py` and `router/http/__init__.py` call `activate`,
 which puts the compiled modules ahead of the sources only while the manifest written with them
@@ -23,6 +23,7 @@ import sys
 import sysconfig
 import tempfile
 from pathlib import Path
+from typing import Any
 
 MODULES = (
     "router/http/headers.py",
@@ -131,16 +132,21 @@ def build(root: Path = ROOT, out: Path = OUT, modules: tuple[str, ...] = MODULES
     (out / MANIFEST).write_text(json.dumps(fingerprint(root, modules)))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("command", choices=("build", "status"))
-    parser.add_argument("--if-stale", action="store_true", help="build only when not fresh")
-    args = parser.parse_args()
-    if args.command == "build" and not (args.if_stale and _is_fresh(ROOT, OUT)):
+def _run(args: argparse.Namespace) -> int:
+    if args.action == "build" and not (args.if_stale and _is_fresh(ROOT, OUT)):
         build()
         _fresh.clear()
-    print("native hot path:", "on" if _is_fresh(ROOT, OUT) else status)
+    fresh = _is_fresh(ROOT, OUT)
+    print("native hot path:", "on" if fresh else status)
+    return 0 if fresh or args.action == "status" else 1
 
 
-if __name__ == "__main__":
-    main()
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "native", help="build the router's compiled hot path, or say whether it is fresh",
+        description="Compile the router's hot path with mypyc into .native/ (build), or say "
+        "whether the build there matches the sources (status).",
+    )  # fmt: skip
+    parser.add_argument("action", choices=("build", "status"))
+    parser.add_argument("--if-stale", action="store_true", help="build only when not fresh")
+    parser.set_defaults(run=_run)

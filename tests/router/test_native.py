@@ -17,6 +17,7 @@ import router.proxy
 from router import native
 
 _MODULE = "pkg/hot.py"
+_DISABLED = os.environ.get(native.DISABLE) == "0"  # as the suite started (fixtures clear it)
 
 
 def _tree(tmp_path: Path) -> tuple[Path, Path]:
@@ -113,8 +114,16 @@ def test_the_hot_path_runs_compiled_exactly_when_the_build_is_fresh() -> None:
         str(sysconfig.get_config_var("EXT_SUFFIX"))
     )
     fresh = native._is_fresh(native.ROOT, native.OUT)
-    disabled = os.environ.get(native.DISABLE) == "0"
-    assert compiled == (fresh and not disabled)
+    assert compiled == (fresh and not _DISABLED)
     if compiled:
         assert str(native.OUT / "router") in router.__path__
         assert str(native.OUT / "router" / "http") in router.http.__path__
+
+
+def test_the_status_command_says_what_activation_found(capsys: pytest.CaptureFixture[str]) -> None:
+    from session_router_cli import main
+
+    assert main(["native", "status"]) == 0
+    said = capsys.readouterr().out
+    fresh = native._is_fresh(native.ROOT, native.OUT)
+    assert said == "native hot path: on\n" if fresh else said.startswith("native hot path: off")
