@@ -19,6 +19,7 @@ import ast
 import hashlib
 import json
 import os
+import shutil
 import sys
 import sysconfig
 import tempfile
@@ -60,16 +61,20 @@ def fingerprint(root: Path, modules: tuple[str, ...] = MODULES) -> dict[str, obj
             "sources": sources}  # fmt: skip
 
 
-def activate(package_path: list[str], package: str, root: Path = ROOT, out: Path = OUT) -> bool:
+def activate(
+    package_path: list[str], package: str, root: Path = ROOT, out: Path = OUT,
+    modules: tuple[str, ...] = MODULES,
+) -> bool:  # fmt: skip
     """Put the compiled modules of `package` ahead of its sources on `package_path` (the
-    package's `__path__`), when the build in `out` is fresh and not disabled."""
+    package's `__path__`), when the build in `out` is of `modules` as they are now and not
+    disabled."""
     global status
     if os.environ.get(DISABLE, "1") == "0":
         status = f"off: {DISABLE}=0"
         return False
     fresh = _fresh.get((root, out))
     if fresh is None:
-        fresh = _fresh[(root, out)] = _is_fresh(root, out)
+        fresh = _fresh[(root, out)] = _is_fresh(root, out, modules)
     compiled = out.joinpath(*package.split("."))
     if not fresh or not compiled.is_dir():
         return False
@@ -81,7 +86,7 @@ def activate(package_path: list[str], package: str, root: Path = ROOT, out: Path
     return True
 
 
-def _is_fresh(root: Path, out: Path) -> bool:
+def _is_fresh(root: Path, out: Path, modules: tuple[str, ...] = MODULES) -> bool:
     global status
     try:
         built = json.loads((out / MANIFEST).read_text())
@@ -89,9 +94,8 @@ def _is_fresh(root: Path, out: Path) -> bool:
         status = "off: not built (make install builds it)"
         return False
     try:
-        modules = tuple(built["sources"])
-        current = fingerprint(root, modules)
-    except (OSError, KeyError, TypeError):
+        current: dict[str, object] | None = fingerprint(root, modules)
+    except OSError:
         current = None
     if built != current:
         status = "off: the build is older than the sources (make native rebuilds it)"
@@ -118,7 +122,7 @@ def build(root: Path = ROOT, out: Path = OUT, modules: tuple[str, ...] = MODULES
     from mypyc.build import mypycify  # a dev dependency: only building needs it
     from setuptools import setup
 
-    (out / MANIFEST).unlink(missing_ok=True)  # a half-built tree is never fresh
+    shutil.rmtree(out, ignore_errors=True)  # no module left over from an earlier list
     here = Path.cwd()
     os.chdir(root)  # mypy reads the project's configuration, paths are the module names
     try:

@@ -40,10 +40,10 @@ def _fresh_state(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_fresh_build_goes_ahead_of_the_sources(tmp_path: Path) -> None:
     root, out = _tree(tmp_path)
     path = [str(root / "pkg")]
-    assert native.activate(path, "pkg", root, out)
+    assert native.activate(path, "pkg", root, out, (_MODULE,))
     assert path == [str(out / "pkg"), str(root / "pkg")]
     assert native.status == f"on: {out}"
-    assert native.activate(path, "pkg", root, out)  # twice: inserted once
+    assert native.activate(path, "pkg", root, out, (_MODULE,))  # twice: inserted once
     assert path == [str(out / "pkg"), str(root / "pkg")]
 
 
@@ -60,8 +60,14 @@ def test_a_fresh_build_goes_ahead_of_the_sources(tmp_path: Path) -> None:
             ),
             "older than the sources",
         ),
+        (
+            lambda root, out: (out / native.MANIFEST).write_text(
+                json.dumps(native.fingerprint(root, ()))
+            ),
+            "older than the sources",
+        ),
     ],
-    ids=["edited", "removed", "no-manifest", "broken-manifest", "other-python"],
+    ids=["edited", "removed", "no-manifest", "broken-manifest", "other-python", "other-modules"],
 )
 def test_a_stale_or_missing_build_leaves_the_sources(
     tmp_path: Path, spoil: Callable[[Path, Path], object], reason: str
@@ -69,7 +75,7 @@ def test_a_stale_or_missing_build_leaves_the_sources(
     root, out = _tree(tmp_path)
     spoil(root, out)
     path = [str(root / "pkg")]
-    assert not native.activate(path, "pkg", root, out)
+    assert not native.activate(path, "pkg", root, out, (_MODULE,))
     assert path == [str(root / "pkg")]
     assert native.status.startswith("off") and reason in native.status
 
@@ -78,7 +84,7 @@ def test_it_can_be_switched_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     root, out = _tree(tmp_path)
     monkeypatch.setenv(native.DISABLE, "0")
     path = [str(root / "pkg")]
-    assert not native.activate(path, "pkg", root, out)
+    assert not native.activate(path, "pkg", root, out, (_MODULE,))
     assert path == [str(root / "pkg")]
     assert native.status == f"off: {native.DISABLE}=0"
 
