@@ -29,7 +29,7 @@ async def serve(config: RouterConfig, announce: bool = True) -> None:
             print(
                 f"session-router listening on http://{config.host}:{config.port} "
                 f"policy={config.policy.name} redis={config.redis} "
-                f"native={native.status.split(':')[0]} workers: {workers}",
+                f"native={'on' if native.active else 'off'} workers: {workers}",
                 flush=True,
             )
             logging.getLogger("router").info("compiled hot path %s", native.status)

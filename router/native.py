@@ -50,8 +50,9 @@ MANIFEST = "manifest.json"
 GROUP = "router_native"  # the shared library every compiled module links: top-level name
 DISABLE = "SESSION_ROUTER_NATIVE"
 
-status = "off: not built"  # what the last `activate` found, for the serve command's log line
-_fresh: dict[tuple[Path, Path], bool] = {}
+active = False  # the compiled modules are on the path
+status = "off: not built"  # why (or where from), for the serve command's log line
+_fresh: dict[tuple[Path, Path, tuple[str, ...]], bool] = {}
 
 
 def fingerprint(root: Path, modules: tuple[str, ...] = MODULES) -> dict[str, object]:
@@ -68,13 +69,13 @@ def activate(
     """Put the compiled modules of `package` ahead of its sources on `package_path` (the
     package's `__path__`), when the build in `out` is of `modules` as they are now and not
     disabled."""
-    global status
+    global active, status
     if os.environ.get(DISABLE, "1") == "0":
         status = f"off: {DISABLE}=0"
         return False
-    fresh = _fresh.get((root, out))
+    fresh = _fresh.get((root, out, modules))
     if fresh is None:
-        fresh = _fresh[(root, out)] = _is_fresh(root, out, modules)
+        fresh = _fresh[(root, out, modules)] = _is_fresh(root, out, modules)
     compiled = out.joinpath(*package.split("."))
     if not fresh or not compiled.is_dir():
         return False
@@ -82,7 +83,7 @@ def activate(
         sys.path.append(str(out))  # the shared library is a top-level module
     if str(compiled) not in package_path:
         package_path.insert(0, str(compiled))
-    status = f"on: {out}"
+    active, status = True, f"on: {out}"
     return True
 
 
@@ -137,10 +138,10 @@ def build(root: Path = ROOT, out: Path = OUT, modules: tuple[str, ...] = MODULES
 
 
 def _run(args: argparse.Namespace) -> int:
-    if args.action == "build" and not (args.if_stale and _is_fresh(ROOT, OUT)):
-        build()
-        _fresh.clear()
     fresh = _is_fresh(ROOT, OUT)
+    if args.action == "build" and not (args.if_stale and fresh):
+        build()
+        fresh = _is_fresh(ROOT, OUT)
     print("native hot path:", "on" if fresh else status)
     return 0 if fresh or args.action == "status" else 1
 

@@ -34,6 +34,7 @@ def _tree(tmp_path: Path) -> tuple[Path, Path]:
 def _fresh_state(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(native, "_fresh", {})
     monkeypatch.setattr(native, "status", "off: not built")
+    monkeypatch.setattr(native, "active", False)
     monkeypatch.delenv(native.DISABLE, raising=False)
 
 
@@ -42,7 +43,7 @@ def test_a_fresh_build_goes_ahead_of_the_sources(tmp_path: Path) -> None:
     path = [str(root / "pkg")]
     assert native.activate(path, "pkg", root, out, (_MODULE,))
     assert path == [str(out / "pkg"), str(root / "pkg")]
-    assert native.status == f"on: {out}"
+    assert native.active and native.status == f"on: {out}"
     assert native.activate(path, "pkg", root, out, (_MODULE,))  # twice: inserted once
     assert path == [str(out / "pkg"), str(root / "pkg")]
 
@@ -77,7 +78,7 @@ def test_a_stale_or_missing_build_leaves_the_sources(
     path = [str(root / "pkg")]
     assert not native.activate(path, "pkg", root, out, (_MODULE,))
     assert path == [str(root / "pkg")]
-    assert native.status.startswith("off") and reason in native.status
+    assert not native.active and native.status.startswith("off") and reason in native.status
 
 
 def test_it_can_be_switched_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
