@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-TYPED := router policies sim bench session_router_cli.py
+TYPED := router policies sim bench experiments session_router_cli.py
 
 .PHONY: test lint typecheck unit demo install native clean
 

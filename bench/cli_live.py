@@ -14,10 +14,10 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bench.metrics import Objectives
+from bench.results.metrics import Objectives
 
 if TYPE_CHECKING:
-    from bench.traces import Trace
+    from bench.traces.model import Trace
 
 _SUB = "session-router"
 
@@ -34,7 +34,7 @@ def _objectives(args: argparse.Namespace) -> Objectives:
 
 
 def _load(path: str, command: str) -> Trace:
-    from bench.traces import load_trace
+    from bench.traces.model import load_trace
 
     try:
         return load_trace(path)
@@ -90,17 +90,17 @@ async def _replay_main(args: argparse.Namespace, stop: asyncio.Event) -> int:
     from rich.console import Console
 
     from bench.compare import comparison_table
-    from bench.metrics import Summary, summarise
-    from bench.outputs import REPORT_MD, write_run_outputs
-    from bench.replay import (
+    from bench.replay.run import (
         fetch_stage_events,
         join_stage_events,
         read_stage_events,
         replay,
         run_duration_s,
     )
-    from bench.replay_stream import LagProbe
-    from router.events import StageEvents
+    from bench.replay.stream import LagProbe
+    from bench.results.metrics import Summary, summarise
+    from bench.results.outputs import REPORT_MD, write_run_outputs
+    from router.obs.events import StageEvents
 
     trace = _load(args.trace, "replay")
     objectives = _objectives(args)
@@ -181,8 +181,8 @@ async def _compare_main(args: argparse.Namespace, stop: asyncio.Event) -> int:
     from rich.console import Console
 
     from bench.compare import CompareSpec, compare, comparison_table, plan
-    from bench.layout import ClusterSpec
-    from bench.outputs import REPORT_MD
+    from bench.results.outputs import REPORT_MD
+    from bench.stack.layout import ClusterSpec
 
     try:
         spec = CompareSpec(
@@ -220,8 +220,8 @@ def _up_command(args: argparse.Namespace) -> int:
     import uvloop
 
     from bench.compare import roles_for
-    from bench.layout import ClusterSpec
-    from bench.up import StackSpec, policy_params, run_up
+    from bench.stack.layout import ClusterSpec
+    from bench.stack.up import StackSpec, policy_params, run_up
     from policies import available_policies, parse_param_assignments
 
     policy = args.policy or ("adaptive" if "adaptive" in available_policies() else "colocate")

@@ -41,8 +41,8 @@ def params_by_policy(assignments: list[str]) -> dict[str, dict[str, str]]:
 
 def _template(args: argparse.Namespace) -> Any:
     from bench.des import SimConfig
-    from bench.layout import ClusterSpec, worker_roles
-    from bench.metrics import Objectives
+    from bench.results.metrics import Objectives
+    from bench.stack.layout import ClusterSpec, worker_roles
 
     objectives = Objectives()
     if args.slo_ttft_ms is not None:
@@ -66,9 +66,9 @@ def _run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    from bench.outputs import REPORT_MD
+    from bench.results.outputs import REPORT_MD
     from bench.simulate import RunOutcome, plan_runs, run_simulation, write_outputs
-    from bench.traces import load_trace
+    from bench.traces.model import load_trace
     from policies import PolicyConfigError
 
     try:

@@ -4,7 +4,7 @@ For each policy in turn: a fresh `LocalStack` (a `sim-cluster` process and a `se
 with its own embedded Redis, so no cache or residency carries over), a live replay of the same
 trace at the same rate, then the router's stage events (its `--events` file) joined by request
 id. Worker roles (`roles_for`): colocate gets only mixed workers; every other policy, a plugin
-name too, gets the split layout of `bench.layout.worker_roles`: K prefill workers (default a
+name too, gets the split layout of `bench.stack.layout.worker_roles`: K prefill workers (default a
 quarter of the cluster, at least one), then decode workers. Policies with hardware parameters
 (adaptive's gpu/model/tp) are given the cluster's. Every name and parameter is checked before
 anything starts, so a typo fails fast with the policy registry's message.
@@ -14,7 +14,7 @@ With `find_max_goodput`, each policy gets the simulator's search instead of one 
 fresh stack; `max_goodput_rps` on that policy's runs is the trace slice's turns per second at
 scale 1 times the highest passing scale.
 
-Files under `out_dir`: the run outputs (`bench.outputs`) for all policies together, and
+Files under `out_dir`: the run outputs (`bench.results.outputs`) for all policies together, and
 `logs/<policy>/` with the router's and workers' logs and the router's events file.
 """
 
@@ -28,8 +28,15 @@ import msgspec
 from rich.table import Table
 
 from bench.des.goodput import GoodputSearch, goodput_search
-from bench.layout import ClusterSpec, worker_roles
-from bench.metrics import (
+from bench.replay.run import (
+    DEFAULT_REQUEST_TIMEOUT_S,
+    join_stage_events,
+    read_stage_events,
+    replay,
+    run_duration_s,
+)
+from bench.replay.stream import Api, LagProbe
+from bench.results.metrics import (
     FirstTokenConvention,
     Objectives,
     RequestResult,
@@ -37,21 +44,14 @@ from bench.metrics import (
     Summary,
     summarise,
 )
-from bench.outputs import write_run_outputs
-from bench.replay import (
-    DEFAULT_REQUEST_TIMEOUT_S,
-    join_stage_events,
-    read_stage_events,
-    replay,
-    run_duration_s,
-)
-from bench.replay_stream import Api, LagProbe
-from bench.report import run_label
+from bench.results.outputs import write_run_outputs
+from bench.results.report import run_label
 from bench.simulate import GOODPUT_TARGET
-from bench.traces import Trace
-from bench.up import LocalStack, StackSpec, policy_params
+from bench.stack.layout import ClusterSpec, worker_roles
+from bench.stack.up import LocalStack, StackSpec, policy_params
+from bench.traces.model import Trace
 from policies.types import Role
-from router.events import StageEvents
+from router.obs.events import StageEvents
 
 DEFAULT_CLUSTER = ClusterSpec(4, "h200-sxm", "llama-3.1-8b")
 
@@ -89,7 +89,7 @@ class ComparedRun(msgspec.Struct, frozen=True):
 
 
 def roles_for(policy: str, workers: int, prefill_workers: int | None) -> list[Role]:
-    """The same layout `bench simulate` uses (`bench.layout.worker_roles`)."""
+    """The same layout `bench simulate` uses (`bench.stack.layout.worker_roles`)."""
     return worker_roles(policy, workers, prefill_workers)
 
 

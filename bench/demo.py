@@ -1,7 +1,7 @@
 """`session-router demo` (what `make demo` runs): `bench compare` on the bundled demo trace.
 
-The demo trace (`bench.workloads.demo_trace`: 36 sessions, 72 turns over about 40 s; short and
-long prompts; single-turn, shared-system-prompt and 4-turn sessions) is replayed live, once per
+The demo trace (`bench.traces.workloads.demo_trace`: 36 sessions, 72 turns over about 40 s; short
+and long prompts; single-turn, shared-system-prompt and 4-turn sessions) is replayed live, once per
 policy, against a fresh simulated 4 x H200 / Llama-3.1-8B cluster and router. At rate scale
 `DEMO_RATE_SCALE` the arrivals span about 10 s; with think times (kept) and start-up each
 policy takes about 20 s, so three or four policies finish inside two minutes on two cores.
@@ -16,8 +16,8 @@ from pathlib import Path
 from rich.console import Console
 
 from bench.compare import DEFAULT_CLUSTER, CompareSpec, compare, comparison_table
-from bench.outputs import REPORT_HTML, REPORT_MD
-from bench.workloads import demo_trace
+from bench.results.outputs import REPORT_HTML, REPORT_MD
+from bench.traces.workloads import demo_trace
 from policies import available_policies
 
 DEMO_OUT = Path("bench-out/demo")

@@ -1,9 +1,9 @@
 """`bench simulate`: whole traces through the discrete-event simulator, many runs in parallel.
 
 A run is one policy at one rate scale on the same simulated cluster (`bench.des.simulate`),
-summarised exactly as a live replay (`bench.metrics.summarise` over the client's results, the
-run's duration from `bench.replay.run_duration_s`). Runs are independent: a sweep (policies x
-rate scales) or the max-goodput searches (`bench.des.goodput`, one per policy, their probes
+summarised exactly as a live replay (`bench.results.metrics.summarise` over the client's results,
+the run's duration from `bench.replay.run.run_duration_s`). Runs are independent: a sweep (policies
+x rate scales) or the max-goodput searches (`bench.des.goodput`, one per policy, their probes
 interleaved) spread them over a process pool. A policy that raises ends its own run; the
 failure is kept (`PolicyFailure`) and reported, the other runs go on.
 
@@ -23,12 +23,12 @@ import msgspec
 
 from bench.des import PolicyFailure, SimConfig, SimStats, simulate
 from bench.des.goodput import GoodputSearch, Search, goodput_search
-from bench.layout import hardware_params, worker_roles
-from bench.metrics import RequestResult, RunSummary, Summary, summarise
-from bench.outputs import write_run_outputs
-from bench.replay import run_duration_s
-from bench.report import run_label
-from bench.traces import Trace
+from bench.replay.run import run_duration_s
+from bench.results.metrics import RequestResult, RunSummary, Summary, summarise
+from bench.results.outputs import write_run_outputs
+from bench.results.report import run_label
+from bench.stack.layout import hardware_params, worker_roles
+from bench.traces.model import Trace
 from policies import create_policy
 
 GOODPUT_TARGET = 0.9
@@ -53,7 +53,7 @@ class Simulation(msgspec.Struct, frozen=True):
     """Everything a `bench simulate` invocation measured.
 
     `summary` has every successful run (by policy, then rate scale) and `results` their
-    requests, labelled with `bench.report.run_label`; failed runs are only in `failures`.
+    requests, labelled with `bench.results.report.run_label`; failed runs are only in `failures`.
     """
 
     summary: Summary
@@ -278,7 +278,7 @@ def _roles_text(roles: Sequence[str]) -> str:
 def write_outputs(
     out_dir: Path, trace: Trace, runs: Sequence[PolicyRun], simulation: Simulation
 ) -> None:
-    """The run outputs (`bench.outputs`), plus failures.json when a policy failed."""
+    """The run outputs (`bench.results.outputs`), plus failures.json when a policy failed."""
     cluster = runs[0].config.cluster if runs else ""
     title = f"Simulated replay of {trace.name} on {cluster}"
     write_run_outputs(

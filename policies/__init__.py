@@ -3,7 +3,7 @@
 Imports nothing of the project outside this package and no I/O library (msgspec only).
 """
 
-from policies.adaptive import AdaptiveParams, AdaptivePolicy
+from policies.adaptive.policy import AdaptiveParams, AdaptivePolicy
 from policies.base import Policy
 from policies.params import NoParams, PolicyConfigError
 from policies.registry import (

@@ -20,13 +20,13 @@ from collections.abc import Callable, Iterable, Mapping
 
 import msgspec
 
-from policies.adaptive import AdaptivePolicy
+from policies.adaptive.policy import AdaptivePolicy
 from policies.base import Policy
-from policies.colocate import ColocatePolicy
-from policies.disaggregate import DisaggregatePolicy
+from policies.baselines.colocate import ColocatePolicy
+from policies.baselines.disaggregate import DisaggregatePolicy
+from policies.baselines.round_robin import RoundRobinPolicy
+from policies.baselines.threshold import ThresholdPolicy
 from policies.params import PolicyConfigError
-from policies.round_robin import RoundRobinPolicy
-from policies.threshold import ThresholdPolicy
 
 ENTRY_POINT_GROUP = "session_router.policies"
 

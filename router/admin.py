@@ -10,11 +10,11 @@ import msgspec
 
 from policies import PolicyConfigError, create_policy
 from router.errors import error_response
-from router.events import EventLog
+from router.fleet.workers import WorkerPool
 from router.http import Request, Response
-from router.proxy import PolicyHolder
-from router.state import UNKNOWN, SharedState
-from router.workers import WorkerPool
+from router.obs.events import EventLog
+from router.state.shared import UNKNOWN, SharedState
+from router.turn.pipeline import PolicyHolder
 
 _encode = msgspec.json.Encoder().encode
 AdminHandler = Callable[[Request, str], Awaitable[Response]]

@@ -13,17 +13,17 @@ import msgspec
 from policies import create_policy
 from router.admin import Admin
 from router.config import RouterConfig
-from router.embedded_redis import EmbeddedRedis
 from router.errors import error_response
-from router.events import EventLog, StageClock
-from router.execute import Executor
+from router.fleet.telemetry import Scraper, ScrapeTarget, WorkerLoad
+from router.fleet.workers import WorkerPool
 from router.http import Request, Response, StreamWriter
-from router.legs import LegRunner
-from router.metrics import RouterMetrics
-from router.proxy import PolicyHolder, TurnPipeline
-from router.state import SharedState, StateConfig, WorkerRecord
-from router.telemetry import Scraper, ScrapeTarget, WorkerLoad
-from router.workers import WorkerPool
+from router.obs.events import EventLog, StageClock
+from router.obs.metrics import RouterMetrics
+from router.state.embedded_redis import EmbeddedRedis
+from router.state.shared import SharedState, StateConfig, WorkerRecord
+from router.turn.execute import Executor
+from router.turn.legs import LegRunner
+from router.turn.pipeline import PolicyHolder, TurnPipeline
 
 log = logging.getLogger("router")
 _MODELS_REFRESH_S = 30.0

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import ast
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -31,18 +32,18 @@ MODULES = (
     "router/http/server.py",
     "router/http/client.py",
     "router/http/stream.py",
-    "router/proxy.py",
-    "router/legs.py",
-    "router/execute.py",
-    "router/relay.py",
+    "router/turn/pipeline.py",
+    "router/turn/legs.py",
+    "router/turn/execute.py",
+    "router/turn/relay.py",
     "router/errors.py",
-    "router/metric_cells.py",
-    "router/metrics.py",
-    "router/workers.py",
-    "router/state.py",
-    "router/state_view.py",
-    "router/state_queue.py",
-    "router/state_batcher.py",
+    "router/obs/cells.py",
+    "router/obs/metrics.py",
+    "router/fleet/workers.py",
+    "router/state/shared.py",
+    "router/state/view.py",
+    "router/state/write_queue.py",
+    "router/state/batcher.py",
 )
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / ".native"
@@ -79,12 +80,27 @@ def activate(
     compiled = out.joinpath(*package.split("."))
     if not fresh or not compiled.is_dir():
         return False
-    if str(out) not in sys.path:
-        sys.path.append(str(out))  # the shared library is a top-level module
+    _load_group(out)
     if str(compiled) not in package_path:
         package_path.insert(0, str(compiled))
     active, status = True, f"on: {out}"
     return True
+
+
+def _load_group(out: Path) -> None:
+    """Import the shared library the compiled modules link, by its file: `out` never goes on
+    sys.path, where its `router/` folder would make a fresh `import router` (a spawned child
+    inherits sys.path) a namespace package holding only the compiled modules."""
+    name = GROUP + "__mypyc"
+    if name in sys.modules:
+        return
+    library = out / (name + str(sysconfig.get_config_var("EXT_SUFFIX")))
+    spec = importlib.util.spec_from_file_location(name, library)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {library}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
 
 
 def _is_fresh(root: Path, out: Path, modules: tuple[str, ...] = MODULES) -> bool:

@@ -7,9 +7,9 @@ import signal
 from collections.abc import Sequence
 from dataclasses import replace
 
-from sim.links import Fabric
-from sim.realtime import FabricRunner
-from sim.server import SimWorker, WorkerOptions
+from sim.fabric.links import Fabric
+from sim.worker.realtime import FabricRunner
+from sim.worker.server import SimWorker, WorkerOptions
 
 
 class SimCluster:

@@ -7,9 +7,9 @@ import gc
 import sys
 from typing import Any
 
-from sim.engine import EngineConfig
-from sim.presets import GPUS, MODELS, deployment_from_names
-from sim.server import WorkerOptions
+from sim.engine.engine import EngineConfig
+from sim.engine.presets import GPUS, MODELS, deployment_from_names
+from sim.worker.server import WorkerOptions
 
 STEP_TIMER_SWITCH_INTERVAL_S = 0.0002
 

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from bench.up import free_port_block
-from router.embedded_redis import EmbeddedRedis
+from bench.stack.up import free_port_block
+from router.state.embedded_redis import EmbeddedRedis
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
 """The replay client in virtual time: sends a trace's turns and keeps what it saw.
 
-As `bench.replay` does it. Open loop: a session's first turn is sent at its arrival divided by
+As `bench.replay.run` does it. Open loop: a session's first turn is sent at its arrival divided by
 the rate scale; a later turn at max(its arrival / rate scale, previous turn's end + think_s)
 (think times are not scaled, as `Trace.scaled`). Closed loop (`Trace.concurrency` set): that
 many sessions are in flight, the next one (in `iter_turns` order) starts when one ends, and
@@ -16,8 +16,8 @@ from bench.des.loop import EventLoop
 from bench.des.router import SimRouter
 from bench.des.tokens import PromptBuilder
 from bench.des.turns import TurnRequest
-from bench.metrics import RequestResult
-from bench.traces import Conversation, Trace
+from bench.results.metrics import RequestResult
+from bench.traces.model import Conversation, Trace
 
 
 class _Session:

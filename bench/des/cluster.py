@@ -1,5 +1,5 @@
-"""The simulated workers in virtual time: one `sim.engine.Engine` per worker on one clock, and
-the `sim.links.Fabric` their KV transfers share.
+"""The simulated workers in virtual time: one `sim.engine.engine.Engine` per worker on one clock,
+and the `sim.fabric.links.Fabric` their KV transfers share.
 
 An engine step is one event: `begin_step` gives its duration, the step's end is scheduled, and
 at that time `finish_step` applies it and the next step begins. When the next step of the same
@@ -7,8 +7,8 @@ engine would end before any other pending event, it runs at once without a round
 the heap (nothing else can happen in between, so the result is identical and cheaper). Token
 outputs are delivered to their `Leg` as chunk timestamps in a list, never as events.
 
-An engine in steady decode runs a `sim.decode_run.DecodeRun` instead: its steps up to the next
-change are drawn at once and one event is scheduled at the last one's end. Whoever reads or
+An engine in steady decode runs a `sim.engine.decode_run.DecodeRun` instead: its steps up to the
+next change are drawn at once and one event is scheduled at the last one's end. Whoever reads or
 changes the engine in between goes through `engine(i)`, which first applies the steps that
 have ended by now, and a request sent there ends the run after the step in flight.
 """
@@ -22,10 +22,10 @@ from typing import Any
 
 from bench.des.config import SimConfig
 from bench.des.loop import EventLoop
-from sim.decode_run import DecodeRun
-from sim.engine import Engine, EngineConfig, EngineRequest, RequestStats, StepOutput
-from sim.links import Fabric
-from sim.presets import deployment_from_names
+from sim.engine.decode_run import DecodeRun
+from sim.engine.engine import Engine, EngineConfig, EngineRequest, RequestStats, StepOutput
+from sim.engine.presets import deployment_from_names
+from sim.fabric.links import Fabric
 
 # on_finish(leg, finish_reason, stats, now)
 FinishCallback = Callable[["Leg", str, RequestStats, float], None]

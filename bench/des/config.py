@@ -6,8 +6,8 @@ from typing import Literal
 
 import msgspec
 
-from bench.layout import ClusterSpec
-from bench.metrics import DEFAULT_OBJECTIVES, Objectives
+from bench.results.metrics import DEFAULT_OBJECTIVES, Objectives
+from bench.stack.layout import ClusterSpec
 from policies.types import Role
 
 FirstToken = Literal["decode", "prefill"]
@@ -21,8 +21,8 @@ DEFAULT_ROUTER_OVERHEAD_S = 0.001
 class SimConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One simulated cluster and router; defaults mirror `sim-cluster` and `serve`.
 
-    `roles` gives each worker's role (see `bench.layout.worker_roles`). Engine settings are the
-    `sim-cluster` options (worker i gets seed `seed + i`, as there); the router settings are
+    `roles` gives each worker's role (see `bench.stack.layout.worker_roles`). Engine settings are
+    the `sim-cluster` options (worker i gets seed `seed + i`, as there); the router settings are
     `serve`'s (`scrape_interval_s`, first-token convention, link reservation lease and EWMA,
     session TTL); `objectives` are the default service objectives of turns without their own.
     """

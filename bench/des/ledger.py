@@ -1,6 +1,6 @@
 """The link reservation ledger, as the live router's Redis scripts keep it (one replica).
 
-Same rules as `router.state_scripts`: expired leases are pruned first; a handoff reservation is
+Same rules as `router.state.scripts`: expired leases are pruned first; a handoff reservation is
 always admitted; a migration of `nbytes` is admitted iff
 `handoff_bytes + migration_bytes + nbytes <= rate x lease_s`, with `rate` the link's capacity,
 else its observed rate, and with neither known only onto an idle link. A release with a

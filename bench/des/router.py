@@ -1,5 +1,5 @@
-"""The simulated router: the live proxy's turn path (`router.proxy`, `router.execute`) in
-virtual time, in front of the simulated cluster.
+"""The simulated router: the live proxy's turn path (`router.turn.pipeline`, `router.turn.execute`)
+in virtual time, in front of the simulated cluster.
 
 Per turn: build the `Turn` and the `ClusterView` as the proxy does (worker load from the last
 scrape, fleet in-flight counts now, the link ledger, the session's residency), ask the policy,
@@ -33,9 +33,9 @@ from bench.des.loop import EventLoop
 from bench.des.results import PolicyError, PolicyFailure, PolicyStage
 from bench.des.turns import DoneCallback, Flight, TurnRequest, priority_of
 from bench.des.views import ViewBuilder
-from bench.metrics import RequestResult, Status, predicted_ttft
+from bench.results.metrics import RequestResult, Status, predicted_ttft
 from policies.base import Policy
-from policies.calibration import queue_ahead
+from policies.costmodel.calibration import queue_ahead
 from policies.types import (
     Colocate,
     Decision,
@@ -50,9 +50,9 @@ from policies.types import (
     handoff_tokens,
     hold_of,
 )
-from router.events import StageEvents
-from sim.engine import EngineRequest, RequestStats
-from sim.kvcache import extend_block_hashes
+from router.obs.events import StageEvents
+from sim.engine.engine import EngineRequest, RequestStats
+from sim.engine.kvcache import extend_block_hashes
 
 
 class SimRouter:

@@ -11,7 +11,7 @@ from bench.des.config import SimConfig
 from bench.des.loop import EventLoop
 from bench.des.results import PolicyError, PolicyFailure, SimResult, SimStats
 from bench.des.router import SimRouter
-from bench.traces import Trace
+from bench.traces.model import Trace
 from policies.base import Policy
 
 

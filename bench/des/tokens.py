@@ -1,6 +1,6 @@
 """Prompt token ids for a trace's turns, laid out as the live replay's prompts are.
 
-The live replay sends chat messages (`bench.textgen.PromptSynth`) that the simulated worker
+The live replay sends chat messages (`bench.traces.textgen.PromptSynth`) that the simulated worker
 renders as `<|role|> content ...` plus a final `<|assistant|>`. This module builds the same
 token sequence directly, without text: one tag token per message and one for the generation
 prompt; content position p of turn i comes from block `turn.prefix_blocks[p // block_tokens]`
@@ -22,9 +22,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from bench.traces import Conversation
-from sim.kvcache import ROOT_HASH, block_hash_at, extend_block_hashes
-from sim.tokenizer import token_id
+from bench.traces.model import Conversation
+from sim.engine.kvcache import ROOT_HASH, block_hash_at, extend_block_hashes
+from sim.worker.tokenizer import token_id
 
 SYSTEM_TAG = token_id("<|system|>")
 USER_TAG = token_id("<|user|>")

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from bench.des.ledger import Reservation
-from bench.metrics import RequestResult
+from bench.results.metrics import RequestResult
 from policies.types import Decision, Residency, Turn, decision_priority
-from router.events import StageEvents
+from router.obs.events import StageEvents
 
 
 class TurnRequest:

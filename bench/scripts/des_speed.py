@@ -2,7 +2,7 @@
 
 Loads the trace (timed apart), simulates it once for one policy and prints requests and events
 per CPU second of the simulation, how many engine steps ran (and how many of them without an
-event of their own: mostly those fast-forwarded as `sim.decode_run.DecodeRun`s), and how much
+event of their own: mostly those fast-forwarded as `sim.engine.decode_run.DecodeRun`s), and how much
 of the CPU time the engine itself took (`Engine.begin_step` + `finish_step`, `DecodeRun.plan`
 + `advance`, timed around each call, so that share is slightly overstated). With
 `--profile FILE` the run is profiled with cProfile and the top functions by own time are
@@ -25,11 +25,11 @@ from typing import Any
 import msgspec
 
 from bench.des import SimConfig, SimResult, simulate
-from bench.layout import ClusterSpec, worker_roles
-from bench.traces import Trace, load_trace
+from bench.stack.layout import ClusterSpec, worker_roles
+from bench.traces.model import Trace, load_trace
 from policies import create_policy
-from sim.decode_run import DecodeRun
-from sim.engine import Engine
+from sim.engine.decode_run import DecodeRun
+from sim.engine.engine import Engine
 
 # the shared traces lie beside the checkout
 DEFAULT_TRACE = str(

@@ -9,7 +9,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench.up import free_port_block
+from bench.stack.up import free_port_block
 
 
 def free_port() -> int:

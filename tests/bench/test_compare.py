@@ -9,11 +9,11 @@ from rich.console import Console
 
 from bench.cli_live import _params_by_policy
 from bench.compare import CompareSpec, compare, comparison_table, plan, roles_for
-from bench.layout import ClusterSpec
-from bench.metrics import read_summary
-from bench.outputs import read_requests
-from bench.traces import write_native
-from bench.workloads import ArrivalSpec, ThinkSpec, WorkloadSpec, generate_matrix
+from bench.results.metrics import read_summary
+from bench.results.outputs import read_requests
+from bench.stack.layout import ClusterSpec
+from bench.traces.model import write_native
+from bench.traces.workloads import ArrivalSpec, ThinkSpec, WorkloadSpec, generate_matrix
 from policies import PolicyConfigError, available_policies, create_policy
 from session_router_cli import main
 
@@ -128,7 +128,7 @@ def test_adaptive_gets_the_clusters_hardware(tmp_path: Path) -> None:
 
 
 def test_comparison_table_has_a_column_per_run(tmp_path: Path) -> None:
-    from bench.metrics import Summary, summarise
+    from bench.results.metrics import Summary, summarise
 
     summary = Summary([summarise([], "colocate", 1.0, 1.0, "decode"),
                        summarise([], "threshold", 1.0, 1.0, "decode")])  # fmt: skip
@@ -162,9 +162,9 @@ async def test_max_goodput_search_probes_fresh_runs_until_the_bracket_closes(
 
     import bench.compare as compare_module
     from bench.compare import ComparedRun
-    from bench.metrics import RequestResult, summarise
-    from bench.traces import Trace
-    from bench.up import StackSpec
+    from bench.results.metrics import RequestResult, summarise
+    from bench.stack.up import StackSpec
+    from bench.traces.model import Trace
 
     capacity = {"colocate": 3.0, "disaggregate": 1.5}  # the scale each policy just sustains
     probed: list[tuple[str, float]] = []

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from bench.up import free_port_block
+from bench.stack.up import free_port_block
 from tests.conftest import free_port
 from tests.e2e.recording_worker import RecordingWorker
 from tests.procs import Process

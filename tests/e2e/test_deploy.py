@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 import yaml
 
-from bench.up import free_port_block
+from bench.stack.up import free_port_block
 from router.config import load_config
 from session_router_cli import build_parser
 from tests.conftest import free_port

@@ -23,10 +23,10 @@ from policies import (
     create_policy,
     parse_param_assignments,
 )
-from policies.colocate import ColocatePolicy
-from policies.disaggregate import DisaggregatePolicy
-from policies.round_robin import RoundRobinPolicy
-from policies.threshold import ThresholdParams, ThresholdPolicy
+from policies.baselines.colocate import ColocatePolicy
+from policies.baselines.disaggregate import DisaggregatePolicy
+from policies.baselines.round_robin import RoundRobinPolicy
+from policies.baselines.threshold import ThresholdParams, ThresholdPolicy
 from tests.policies.plugin_fixture import PinnedParams, PinnedPolicy
 
 BUILTINS = ["round-robin", "colocate", "disaggregate", "threshold", "adaptive"]

@@ -13,7 +13,7 @@ import pytest
 
 import router
 import router.http
-import router.proxy
+import router.turn.pipeline
 from router import native
 
 _MODULE = "pkg/hot.py"
@@ -117,7 +117,7 @@ def test_no_compiled_module_defines_a_struct() -> None:
 
 def test_the_hot_path_runs_compiled_exactly_when_the_build_is_fresh() -> None:
     """In CI's compiled pass (make install built it) this checks the suite ran compiled."""
-    compiled = router.proxy.__file__ is not None and router.proxy.__file__.endswith(
+    compiled = router.turn.pipeline.__file__ is not None and router.turn.pipeline.__file__.endswith(
         str(sysconfig.get_config_var("EXT_SUFFIX"))
     )
     fresh = native._is_fresh(native.ROOT, native.OUT)

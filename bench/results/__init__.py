@@ -1,0 +1,1 @@
+"""What a run reports: per-request metrics, the summary, the report and its figures, the files."""

@@ -1,0 +1,1 @@
+"""Traces: the trace model, loaders for public formats, workload matrices and prompt text."""

@@ -1,0 +1,2 @@
+"""Experiments: acceptance harnesses and one-off measurements. Not packaged; run from the
+checkout."""

@@ -1,0 +1,1 @@
+"""`adaptive`: the goodput-aware placement policy and its parts."""

@@ -1,0 +1,1 @@
+"""What the adaptive policy remembers of its own recent placements, one ledger per concern."""

@@ -1,0 +1,1 @@
+"""Placement policies shipped as baselines: what the systems we compare with do."""

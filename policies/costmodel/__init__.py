@@ -1,0 +1,1 @@
+"""The stage-time cost model: hardware priors, roofline estimates and their online calibration."""

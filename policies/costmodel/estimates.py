@@ -1,0 +1,380 @@
+"""Stage-time estimates: a roofline prior per quantity, corrected online from outcomes.
+
+All times are in ms. With P parameters, L layers, H heads, d head dim, W weight bytes, kv KV
+bytes per token, O the step overhead (1.5 ms), F = peak FLOP/s x tp x 0.6 and
+B = HBM bytes/s x tp x 0.85 (the prior's efficiencies):
+
+- prefill of n uncached tokens after c cached ones, in chunks of s tokens (one chunk of n
+  unchunked), each chunk's step fused with the decode step of the r streams running beside
+  it (mean context x; r = 0 on a prefill worker), as continuous batching runs them. A chunk of
+  m tokens after b tokens of context costs
+      compute = (2 P m + 4 L H d m (b + m / 2) + r (2 P + 4 L H d x)) / F
+      memory  = (W + kv (b + m) + kv r (x + 1)) / B
+  and the prefill = (number of chunks) x O + max(fc x compute, fm x memory) of the full chunks
+  summed + the same of the last chunk: the full chunks share one regime, a short last chunk
+  may sit in the other.
+- one decode step of b streams of mean context x:
+      compute = b (2 P + 4 L H d x) / F
+      memory  = (W + kv b (x + 1)) / B
+      step    = O + max(gc x compute, gm x memory)
+- queue wait behind q requests: max(0, base + fq x q x typical), where `typical` is the EWMA
+  of the predicted prefill of each turn served (what a request ahead costs; q may count a
+  request by its own predicted prefill over the mean placed, as `adaptive` does); the router
+  measures the wait only inside a stage, the prefill leg of a split turn or the TTFT of a
+  whole one, so each wait sample is that stage less its predicted prefill
+  (`policies.costmodel.calibration`, which holds the learning parts);
+- link rate: EWMA of observed bytes / second per (src, dst) link;
+- workload means: the answer length (completion tokens) and the shared prefix, the tokens a
+  fresh session's first turn, run whole on one worker, found cached there (`observe_fresh`).
+
+Each roof has its own correction factor, kept fleet-wide and per worker (a worker starts from
+the fleet's factors when it first reports; a worker that never reported uses the fleet's). An
+observation moves each factor toward factor x observed / predicted (log-space EWMA at `rate`,
+weighted by the share of the prediction that roof binds), and pulls a factor down when its
+roof alone would exceed the observation. A prefill stage teaches the roofs only when the
+turn found no request queued ahead (else the stage is mostly queue wait); the TTFT of a turn
+run whole (it reports no prefill stage), noisier, teaches the fleet's roofs only. Two factors per
+quantity let a prior GPU whose compute and bandwidth ratios differ from the real one's (h200
+prior, a100 truth: 3.2x the FLOP/s but 2.4x the bandwidth) converge in both regimes.
+Factors stay within [0.05, 20]; non-finite, non-positive, hour-long and failed observations
+are ignored. Means (context, typical prefill, queue base, answer length, shared prefix)
+start as running means with the prior as one sample, then turn into EWMAs.
+
+Outcome counts: `worker_running_at_start` is read as the decode batch the turn joined (and, for
+a turn prefilled where it decodes, the streams its prefill shared steps with, at the mean
+observed context); `worker_waiting_at_start` as the requests queued ahead of it at its prefill
+worker.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from policies.costmodel.calibration import FACTOR_MAX as FACTOR_MAX
+from policies.costmodel.calibration import FACTOR_MIN as FACTOR_MIN
+from policies.costmodel.calibration import (
+    Average,
+    Correction,
+    QueueModel,
+    plausible,
+)
+from policies.costmodel.priors import RooflinePrior, Terms, gpu_preset, model_preset
+from policies.types import Outcome
+
+TYPICAL_PROMPT_TOKENS = 2048
+TYPICAL_COMPLETION_TOKENS = 256
+COMPLETION_TOKENS_MAX = 1 << 20
+LINK_BPS_MIN = 1e6
+LINK_BPS_MAX = 1e13
+# A stage reported to last an hour or more is a broken clock, not a measurement.
+STAGE_MS_MAX = 3.6e6
+# Bounds the per-worker and per-link tables against a stream of unknown names.
+MAX_TRACKED = 4096
+# Per-worker factors within this of the fleet's are taken as the fleet's (noise, not speed).
+WORKER_DEADBAND = 0.15
+# The workload's mean context moves slowly and its samples are heavy-tailed.
+CONTEXT_RATE_FRACTION = 0.2
+
+
+class Estimates:
+    """Prefill, decode-step, queue-wait and link-rate estimates for one deployment kind.
+
+    Reads are pure; only `observe` changes state, so decisions between two observations are
+    deterministic.
+    """
+
+    def __init__(
+        self, prior: RooflinePrior, *, chunk_tokens: int | None = None, rate: float = 0.1
+    ) -> None:
+        if chunk_tokens is not None and chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1 or None, got {chunk_tokens}")
+        if not 0.0 < rate <= 1.0:
+            raise ValueError(f"rate must be in (0, 1], got {rate}")
+        self.prior = prior
+        self.chunk_tokens = chunk_tokens
+        self.rate = rate
+        # One pair of roof factors per GPU, shared by prefill and decode: the roofs are the
+        # hardware's, and each stage teaches the roof it binds (decode steps the bandwidth,
+        # long prefills the FLOP/s). Separate pairs let a short, memory-bound prefill
+        # predicted as compute-bound (its memory factor never taught) inflate the compute one.
+        self._prefill = Correction()
+        self._decode = self._prefill
+        self._prefill_by_worker: dict[str, Correction] = {}
+        self._decode_by_worker = self._prefill_by_worker
+        self._link_bps: dict[tuple[str, str], float] = {}
+        self._context = Average(float(TYPICAL_PROMPT_TOKENS), rate * CONTEXT_RATE_FRACTION)
+        self._completion = Average(float(TYPICAL_COMPLETION_TOKENS), rate * CONTEXT_RATE_FRACTION)
+        self._shared = Average(0.0, rate)
+        self._typical_prefill = Average(self.prefill_ms(TYPICAL_PROMPT_TOKENS), rate)
+        self._queue = QueueModel(self._typical_prefill.value, rate)
+
+    @classmethod
+    def from_presets(
+        cls,
+        gpu: str = "h200-sxm",
+        model: str = "llama-3.1-8b",
+        tp: int = 1,
+        *,
+        chunk_tokens: int | None = None,
+        rate: float = 0.1,
+    ) -> Estimates:
+        """Estimates seeded from named presets (PolicyConfigError for unknown names)."""
+        prior = RooflinePrior(gpu_preset(gpu), model_preset(model), tp)
+        return cls(prior, chunk_tokens=chunk_tokens, rate=rate)
+
+    def prefill_chunks(self, uncached: int) -> int:
+        """Engine steps a prefill of `uncached` tokens takes (1 unless chunked prefill)."""
+        chunk = self.chunk_tokens
+        if chunk is None or uncached <= chunk:
+            return 1
+        return -(-uncached // chunk)
+
+    def prefill_ms(
+        self, uncached: int, cached: int = 0, worker: str | None = None, running: int = 0
+    ) -> float:
+        """Time to prefill `uncached` new tokens (at least one) after `cached` reused ones, in
+        steps shared with `running` decode streams of the mean observed context."""
+        n = uncached if uncached > 1 else 1
+        terms = self.prior.prefill_terms(
+            n,
+            cached if cached > 0 else 0,
+            self.chunk_tokens,
+            running,
+            self._context.value,
+        )
+        correction = self._worker_correction(worker)
+        return correction.predict(terms)
+
+    def prefill_work_ms(self, uncached: int, cached: int = 0, worker: str | None = None) -> float:
+        """The arithmetic of that prefill alone (its compute roof): what it adds to a step it
+        shares with others, whose overhead and weight reads are paid once for all."""
+        terms = self.prior.prefill_terms(uncached if uncached > 1 else 1, max(cached, 0))
+        correction = self._worker_correction(worker)
+        return correction.compute * (terms[1] + terms[3])
+
+    def decode_step_ms(self, batch: int, context: float, worker: str | None = None) -> float:
+        """One decode step of `batch` streams (at least one) of `context` tokens each."""
+        terms = self.prior.decode_terms(batch if batch > 1 else 1, context if context > 0 else 0)
+        correction = self._worker_correction(worker)
+        return correction.predict(terms)
+
+    def _worker_correction(self, worker: str | None) -> Correction:
+        """The worker's own factors where they differ from the fleet's by more than
+        `WORKER_DEADBAND` (a slower or faster GPU), else the fleet's: within it the difference
+        is what each worker happened to observe, and ranking workers by it would herd turns
+        onto whichever looks a few percent faster."""
+        fleet = self._prefill
+        own = self._prefill_by_worker.get(worker) if worker is not None else None
+        if own is None:
+            return fleet
+        if abs(own.compute / fleet.compute - 1.0) > WORKER_DEADBAND:
+            return own
+        if abs(own.memory / fleet.memory - 1.0) > WORKER_DEADBAND:
+            return own
+        return fleet
+
+    @property
+    def mean_context_tokens(self) -> float:
+        """The mean context of the decode streams seen so far (EWMA)."""
+        return self._context.value
+
+    @property
+    def mean_completion_tokens(self) -> float:
+        """The mean length of the answers seen so far, in tokens (EWMA)."""
+        return self._completion.value
+
+    @property
+    def shared_prefix_tokens(self) -> float:
+        """The prefix a fresh session finds cached on a worker it never ran on (EWMA)."""
+        return self._shared.value
+
+    def observe_fresh(self, outcome: Outcome) -> None:
+        """Learn the shared prefix from a session's first turn, run whole on one worker."""
+        if outcome.ok and outcome.action == "colocate" and outcome.prompt_tokens > 0:
+            self._shared.add(min(max(0, outcome.cached_tokens), outcome.prompt_tokens))
+
+    @property
+    def typical_prefill_ms(self) -> float:
+        """What one queued request's prefill takes in this workload (EWMA of predictions)."""
+        return self._typical_prefill.value
+
+    def queue_wait_ms(self, depth: float) -> float:
+        """Wait before a new request's prefill starts behind `depth` queued requests (a
+        fraction or a multiple of one where a request's prefill is known to be short or long)."""
+        return self._queue.wait_ms(depth, self._typical_prefill.value)
+
+    def link_bps(self, src: str, dst: str) -> float | None:
+        """Observed transfer rate of the link src -> dst, None until a transfer reported."""
+        return self._link_bps.get((src, dst))
+
+    def factors(self, worker: str | None = None) -> dict[str, float]:
+        """The current correction factors (fleet-wide, or of `worker`), for reports."""
+        prefill = self._prefill_by_worker.get(worker, self._prefill) if worker else self._prefill
+        decode = self._decode_by_worker.get(worker, self._decode) if worker else self._decode
+        return {
+            "prefill_compute": prefill.compute,
+            "prefill_memory": prefill.memory,
+            "decode_compute": decode.compute,
+            "decode_memory": decode.memory,
+            "queue": self._queue.factor,
+        }
+
+    def observe(self, outcome: Outcome, prefill: PrefillLeg | None = None) -> None:
+        """Calibrate from one placed turn; failed turns and missing stages teach nothing.
+
+        `prefill`: what the placement assumed of its prefill leg (the cached tokens and the
+        decode streams on its worker); a split turn's outcome counts the decode leg's cache
+        hit (the pulled KV) and, where the prefill worker reported it, the prefill leg's
+        (`Outcome.prefill_cached_tokens`), which replaces the assumed one."""
+        if not outcome.ok:
+            return
+        running = max(0, outcome.worker_running_at_start)
+        if 0 < outcome.completion_tokens < COMPLETION_TOKENS_MAX:
+            self._completion.add(outcome.completion_tokens)
+        decoded = plausible(outcome.decode_ms, STAGE_MS_MAX) and outcome.completion_tokens >= 2
+        if decoded:
+            self._observe_decode(outcome, running)
+        queued = outcome.queue_ms
+        if queued is not None and not 0.0 <= queued < STAGE_MS_MAX:
+            queued = None
+        stage = _prefill_stage(outcome, queued)
+        leg = prefill if prefill is not None else _leg_of(outcome, running)
+        found = outcome.prefill_cached_tokens
+        if found is not None and outcome.action not in WHOLE_ACTIONS:
+            # What the prefill leg found, not what its placement assumed: a prefix cached
+            # where none was assumed would otherwise teach a faster GPU.
+            leg = leg._replace(cached=found)
+        if stage is not None:
+            self._observe_prefill(outcome, leg, stage, queued or 0.0)
+        elif queued is not None:
+            self._queue.observe(queued, _ahead(leg, outcome), self._typical_prefill.value)
+        if decoded or stage is not None:
+            self._observe_size(outcome, leg)
+        if plausible(outcome.transfer_ms, STAGE_MS_MAX) and outcome.transfer_bytes > 0:
+            self._observe_transfer(outcome)
+
+    def _observe_decode(self, outcome: Outcome, running: int) -> None:
+        assert outcome.decode_ms is not None
+        step = outcome.decode_ms / (outcome.completion_tokens - 1)
+        context = max(0, outcome.prompt_tokens) + 0.5 * outcome.completion_tokens
+        terms = self.prior.decode_terms(running + 1, context)
+        self._learn(self._decode, self._decode_by_worker, outcome.decode_worker, terms, step)
+        self._context.add(context)
+
+    def _observe_prefill(
+        self, outcome: Outcome, leg: PrefillLeg, stage: float, queued: float
+    ) -> None:
+        """`stage` = the engine's queue wait + the prefill: the part the prefill predicted for
+        it cannot explain is queue wait; a turn that found no queue teaches the roofs."""
+        prompt = max(0, outcome.prompt_tokens)
+        cached = min(max(0, leg.cached), prompt)
+        uncached = max(1, prompt - cached)
+        terms = self.prior.prefill_terms(
+            uncached, cached, self.chunk_tokens, max(0, leg.beside), self._context.value
+        )
+        worker = outcome.prefill_worker or outcome.decode_worker
+        correction = self._prefill_by_worker.get(worker or "", self._prefill)
+        predicted = correction.predict(terms)
+        depth = _depth(outcome)
+        ahead = leg.ahead_ms if leg.ahead_ms > 0.0 else 0.0
+        if depth == 0 and ahead < predicted:
+            # A TTFT also holds the step in progress and the first token's relay: noisier
+            # than a measured prefill stage, it teaches the fleet's roofs, not the worker's.
+            # The stage also holds the wait for the prefill work placed ahead (no scrape
+            # counts a running prefill). Taken off, what is left is this prefill's time: a
+            # ledger counting too much or too little teaches the opposite error, which
+            # corrects it; behind more than this prefill, the ledger's error would drown it.
+            measured = plausible(outcome.prefill_ms, STAGE_MS_MAX)
+            self._learn(
+                self._prefill, self._prefill_by_worker, worker if measured else None, terms,
+                stage - ahead,
+            )  # fmt: skip
+        depth_ahead = _ahead(leg, outcome)
+        # Where none was queued, the wait the ledger foresaw (the work placed ahead) is no
+        # wait a queue causes: the base learns only the rest (the step in progress).
+        waited = queued + stage - predicted - (ahead if depth_ahead <= 0 else 0.0)
+        self._queue.observe(waited, depth_ahead, self._typical_prefill.value)
+
+    def _observe_size(self, outcome: Outcome, leg: PrefillLeg) -> None:
+        """What a request ahead in a queue costs: this workload's prefill, as predicted (an
+        observed prefill stage also holds the wait before it)."""
+        prompt = max(0, outcome.prompt_tokens)
+        cached = min(max(0, leg.cached), prompt)
+        worker = outcome.prefill_worker or outcome.decode_worker
+        self._typical_prefill.add(self.prefill_ms(prompt - cached, cached, worker))
+
+    def _observe_transfer(self, outcome: Outcome) -> None:
+        src, dst = outcome.prefill_worker, outcome.decode_worker
+        if src is None or dst is None or src == dst:
+            return
+        assert outcome.transfer_ms is not None
+        bps = min(
+            max(outcome.transfer_bytes * 1000.0 / outcome.transfer_ms, LINK_BPS_MIN), LINK_BPS_MAX
+        )
+        key = (src, dst)
+        known = self._link_bps.get(key)
+        if known is None:
+            if len(self._link_bps) < MAX_TRACKED:
+                self._link_bps[key] = bps
+            return
+        self._link_bps[key] = known + self.rate * (bps - known)
+
+    def _learn(
+        self,
+        fleet: Correction,
+        by_worker: dict[str, Correction],
+        worker: str | None,
+        terms: Terms,
+        observed: float,
+    ) -> None:
+        rate = self.rate
+        if worker is not None:
+            own = by_worker.get(worker)
+            if own is None and len(by_worker) < MAX_TRACKED:
+                own = by_worker[worker] = fleet.copy()
+            if own is not None:
+                own.update(terms, observed, rate)
+        fleet.update(terms, observed, rate)
+
+
+WHOLE_ACTIONS = ("colocate", "recompute")
+
+
+class PrefillLeg(NamedTuple):
+    """A turn's prefill as placed: tokens cached on its worker, decode streams beside it,
+    the ms of prefill work placed there before it and not yet done (no scrape counts a
+    prefill already running, however long), and the requests queued ahead of it as
+    `Estimates.queue_wait_ms` counts them (None: the outcome's `worker_waiting_at_start`)."""
+
+    cached: int
+    beside: int
+    ahead_ms: float = 0.0
+    queued: float | None = None
+
+
+def _prefill_stage(outcome: Outcome, queued: float | None) -> float | None:
+    """The engine's queue wait + the prefill, in ms: the prefill leg of a split turn, or the
+    TTFT of a turn run whole (less the router's own queue stage); None when unmeasured."""
+    if plausible(outcome.prefill_ms, STAGE_MS_MAX):
+        return outcome.prefill_ms
+    if outcome.action in WHOLE_ACTIONS and plausible(outcome.ttft_ms, STAGE_MS_MAX):
+        assert outcome.ttft_ms is not None
+        stage = outcome.ttft_ms - (queued or 0.0) - outcome.held_ms
+        return stage if stage > 0.0 else None
+    return None
+
+
+def _leg_of(outcome: Outcome, running: int) -> PrefillLeg:
+    """The prefill leg as the outcome tells it: its cached tokens, and the decode streams
+    beside it where the turn decoded on the same worker (a split one's prefill worker: none)."""
+    beside = running if outcome.action in WHOLE_ACTIONS else 0
+    return PrefillLeg(outcome.cached_tokens, beside)
+
+
+def _ahead(leg: PrefillLeg, outcome: Outcome) -> float:
+    """The requests queued ahead of the turn when it was placed."""
+    return leg.queued if leg.queued is not None else _depth(outcome)
+
+
+def _depth(outcome: Outcome) -> int:
+    return outcome.worker_waiting_at_start if outcome.worker_waiting_at_start > 0 else 0

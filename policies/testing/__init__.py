@@ -1,0 +1,1 @@
+"""A kit for policy authors: views built by hand, and the properties every policy must keep."""

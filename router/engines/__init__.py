@@ -1,0 +1,2 @@
+"""How each serving engine (vLLM, SGLang) is spoken to: leg bodies, handoff order, fields read
+back."""

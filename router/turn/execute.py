@@ -1,0 +1,279 @@
+"""Carry out a placement decision: one leg, or a handoff's or migration's two legs."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Awaitable
+
+from policies.types import (
+    Colocate,
+    Decision,
+    Handoff,
+    Migrate,
+    Recompute,
+    Reject,
+    handoff_tokens,
+    hold_of,
+)
+from router.config import RouterConfig
+from router.engines import adapters
+from router.errors import RouterError
+from router.http import Response, UpstreamConnectError, UpstreamError
+from router.obs.events import StageClock
+from router.state.shared import Priority, Reservation, SharedState
+from router.turn.legs import LegRunner, TurnContext, WorkerUnreachable
+from router.turn.relay import answer_usage
+
+log = logging.getLogger("router.turn.execute")
+
+
+class Executor:
+    def __init__(
+        self, config: RouterConfig, legs: LegRunner, state: SharedState, clock: StageClock
+    ) -> None:
+        self._config = config
+        self._legs = legs
+        self._pool = legs.pool
+        self._state = state
+        self._clock = clock
+        self._rng = random.Random()
+        self._drains: set[asyncio.Task[None]] = set()
+
+    async def execute(self, ctx: TurnContext, decision: Decision) -> Response | None:
+        if isinstance(decision, Reject):
+            raise RouterError(
+                429, f"turn rejected: {decision.reason or 'no placement meets its objectives'}",
+                retry_after_s=decision.retry_after_s,
+            )  # fmt: skip
+        hold = hold_of(decision, ctx.turn.objectives.ttft_ms)
+        if hold > 0.0:
+            # The prefill worker's streams end meanwhile; a client gone now cancels this.
+            await asyncio.sleep(hold)
+            ctx.events.released = self._clock.now()
+        if isinstance(decision, Colocate | Recompute):
+            return await self._single(ctx, decision.worker)
+        if isinstance(decision, Handoff):
+            residency = ctx.record.to_residency() if ctx.record is not None else None
+            moved = handoff_tokens(ctx.turn.prompt_tokens, residency, decision.decode_worker)
+            nbytes = moved * self._config.kv_bytes_per_token
+            reservation = await self._reserve(decision.prefill_worker, decision.decode_worker,
+                                              nbytes, "handoff")  # fmt: skip
+            return await self._handoff(ctx, decision.prefill_worker, decision.decode_worker,
+                                       reservation)  # fmt: skip
+        assert isinstance(decision, Migrate)
+        nbytes = ctx.record.bytes if ctx.record else 0
+        reservation = await self._reserve(decision.source, decision.destination, nbytes,
+                                          "migration")  # fmt: skip
+        if reservation is None:
+            # The link is busy with latency-critical handoffs: defer the migration this turn.
+            ctx.events.action = "colocate"
+            ctx.events.decode_worker = decision.source
+            return await self._single(ctx, decision.source)
+        return await self._handoff(ctx, decision.source, decision.destination, reservation)
+
+    async def _reserve(
+        self, src: str, dst: str, nbytes: int, priority: Priority
+    ) -> Reservation | None:
+        try:
+            return await self._state.reserve(src, dst, nbytes, priority)
+        except Exception:  # the ledger is advisory: never fail a turn on it
+            log.warning("link reservation %s->%s failed", src, dst, exc_info=True)
+            return None
+
+    def _single(self, ctx: TurnContext, worker_id: str) -> Awaitable[Response | None]:
+        ctx.served_by = worker_id
+        ctx.events.prefill_start = self._clock.now()
+        return self._legs.relay(ctx, worker_id, ctx.client_payload())
+
+    # -- vLLM NIXL: prefill leg, then the decode leg pulls the KV ---------------------------
+    async def _handoff(
+        self, ctx: TurnContext, prefill: str, decode: str, reservation: Reservation | None
+    ) -> Response | None:
+        transfer = _Transfer(self, self._state, self._clock, ctx, reservation)
+        try:
+            if self._pool.workers[prefill].spec.engine == "sglang":
+                return await self._handoff_sglang(ctx, prefill, decode, transfer)
+            return await self._handoff_vllm(ctx, prefill, decode, transfer)
+        finally:
+            transfer.release()  # a turn that ended early, however: the reservation goes back
+
+    async def _handoff_vllm(
+        self, ctx: TurnContext, prefill: str, decode: str, transfer: _Transfer
+    ) -> Response | None:
+        events = ctx.events
+        events.prefill_start = self._clock.now()
+        status, raw = await self._prefill_leg(ctx, prefill)
+        if 400 <= status < 500:  # the worker refused the request itself: the client's problem
+            return Response(status, raw, ctx.echo())
+        reply = adapters.parse_prefill_reply(raw) if status == 200 else None
+        events.prefill_end = self._clock.now()
+        if reply is not None:
+            events.prefill_cached_tokens = reply.cached_tokens
+        params = reply.kv_transfer_params if reply is not None else None
+        if params is None:
+            # No KV to pull (EOS as first token, or the prefill failed): the decode worker
+            # prefills the whole prompt itself.
+            events.recomputed_tokens = ctx.turn.prompt_tokens
+        drop_first = False
+        if self._config.first_token == "prefill" and ctx.fields.stream and reply and params:
+            writer = await self._legs.prepare(ctx)
+            await writer.write(adapters.first_token_frames(reply, ctx.chat))
+            events.first_token = self._clock.now()
+            drop_first = True
+        decode_body = adapters.vllm_decode_leg(ctx.body(), params)
+        if ctx.fields.stream and not ctx.fields.wants_usage:
+            decode_body = adapters.with_usage_requested(decode_body)
+        events.transfer_start = self._clock.now()
+        ctx.served_by = decode
+        try:
+            response = await self._legs.relay(
+                ctx, decode, adapters.encode_body(decode_body), drop_first, transfer.arrived,
+                brings_kv=params is not None,
+            )  # fmt: skip
+        except WorkerUnreachable:
+            transfer.release()
+            return await self._decode_fallback(ctx, decode, drop_first)
+        self._finish_transfer(ctx, transfer)
+        return response
+
+    async def _prefill_leg(self, ctx: TurnContext, prefill: str) -> tuple[int, bytes]:
+        """(status, body) of the prefill leg; a 5xx or broken answer reads as (502, b"")."""
+        payload = adapters.encode_body(adapters.vllm_prefill_leg(ctx.body()))
+        with self._legs.inflight(prefill):
+            try:
+                upstream = await self._legs.send(ctx, prefill, payload)
+            except UpstreamConnectError as exc:
+                raise WorkerUnreachable(prefill, str(exc)) from exc
+            except UpstreamError:
+                self._legs.on_upstream_error(prefill, "prefill_leg")
+                return 502, b""
+            try:
+                raw = await upstream.read()
+            except UpstreamError:
+                self._legs.on_upstream_error(prefill, "prefill_leg")
+                return 502, b""
+            except BaseException:
+                upstream.close()
+                raise
+        if upstream.status >= 500:
+            self._legs.on_upstream_error(prefill, f"http_{upstream.status}")
+            return 502, b""
+        return upstream.status, raw
+
+    def _finish_transfer(self, ctx: TurnContext, transfer: _Transfer) -> None:
+        """The transfer's stage fields once the decode leg is done (exact bytes where the usage
+        says); the reservation goes back now unless the first token gave it back already."""
+        events = ctx.events
+        first = transfer.arrived_at or events.first_token or self._clock.now()
+        nbytes, seconds = self.moved(ctx, first)
+        events.transferred_bytes = nbytes
+        events.transfer_end = (events.transfer_start or first) + seconds
+        transfer.release(nbytes, seconds)
+
+    def moved(self, ctx: TurnContext, first: float) -> tuple[int, float]:
+        """(bytes, seconds) the decode leg's KV pull took, up to its first token at `first`."""
+        events = ctx.events
+        if ctx.reported_transfer is not None:
+            return ctx.reported_transfer
+        start = events.transfer_start or first
+        seconds = first - start if first > start else 0.0
+        if events.recomputed_tokens:
+            return 0, seconds
+        # Engines do not report what the pull moved: everything the decode worker did not
+        # already hold as this session's resident prefix.
+        prompt = ctx.usage.prompt_tokens if ctx.usage else ctx.turn.prompt_tokens
+        record = ctx.record
+        resident = record.tokens if record and record.worker_id == ctx.served_by else 0
+        return max(0, prompt - resident) * self._config.kv_bytes_per_token, seconds
+
+    async def _decode_fallback(
+        self, ctx: TurnContext, failed: str, drop_first: bool
+    ) -> Response | None:
+        """The decode leg failed after the prefill succeeded: prefill locally on another
+        decode-capable worker (counted as recomputed)."""
+        self._legs.on_upstream_error(failed, "connect")
+        candidates = [
+            worker_id for worker_id, state in self._pool.workers.items()
+            if worker_id != failed and state.healthy and not state.draining
+            and state.spec.role in ("decode", "mixed")
+        ]  # fmt: skip
+        if not candidates:
+            raise RouterError(503, "no healthy decode worker left for this turn", retry_after_s=1)
+        target = min(candidates, key=lambda w: (self._pool.workers[w].inflight, w))
+        ctx.events.retried = True
+        ctx.events.recomputed_tokens = ctx.turn.prompt_tokens
+        ctx.events.decode_worker = target
+        ctx.served_by = target
+        return await self._legs.relay(ctx, target, ctx.client_payload(), drop_first)
+
+    # -- SGLang bootstrap: both legs at once, the prefill answer drained for its usage -----
+    async def _handoff_sglang(
+        self, ctx: TurnContext, prefill: str, decode: str, transfer: _Transfer
+    ) -> Response | None:
+        spec = self._pool.workers[prefill].spec
+        host = spec.base_url.split("://", 1)[1].rsplit(":", 1)[0]
+        body = ctx.body()
+        if ctx.fields.stream and not ctx.fields.wants_usage:
+            body = adapters.with_usage_requested(body)
+        prefill_body, decode_body = adapters.sglang_legs(body, host, spec.bootstrap_port,
+                                                         self._rng)  # fmt: skip
+        ctx.events.prefill_start = ctx.events.transfer_start = self._clock.now()
+        drain = asyncio.ensure_future(self._drain(prefill, ctx, adapters.encode_body(prefill_body)))
+        self._drains.add(drain)
+        drain.add_done_callback(self._drains.discard)
+        ctx.served_by = decode
+        try:
+            response = await self._legs.relay(
+                ctx, decode, adapters.encode_body(decode_body), on_first_token=transfer.arrived,
+                brings_kv=True,
+            )  # fmt: skip
+        except BaseException:
+            drain.cancel()
+            raise
+        ctx.events.prefill_end = self._clock.now()
+        self._finish_transfer(ctx, transfer)
+        return response
+
+    async def _drain(self, worker_id: str, ctx: TurnContext, payload: bytes) -> None:
+        with self._legs.inflight(worker_id):
+            try:
+                upstream = await self._legs.send(ctx, worker_id, payload)
+                usage = answer_usage(await upstream.read())
+            except UpstreamError:
+                self._legs.on_upstream_error(worker_id, "prefill_leg")
+                return
+        if usage is not None and upstream.status == 200:
+            ctx.events.prefill_cached_tokens = usage.reported_cached_tokens
+
+
+class _Transfer:
+    """A handoff's link reservation, given back once: at the decode leg's first token, which
+    shows the KV has arrived (from then on its bytes load the link no more, however long the
+    answer decodes), else when the turn ends or fails."""
+
+    __slots__ = ("_clock", "_ctx", "_executor", "_state", "arrived_at", "reservation")
+
+    def __init__(
+        self, executor: Executor, state: SharedState, clock: StageClock, ctx: TurnContext,
+        reservation: Reservation | None,
+    ) -> None:  # fmt: skip
+        self._executor, self._state, self._clock, self._ctx = executor, state, clock, ctx
+        self.reservation = reservation
+        self.arrived_at: float | None = None
+
+    def arrived(self) -> None:
+        """The decode leg's first token: the reservation goes back with what the pull took."""
+        if self.arrived_at is None:
+            self.arrived_at = now = self._clock.now()
+            self.release(*self._executor.moved(self._ctx, now))
+
+    def release(self, nbytes: int = 0, seconds: float = 0.0) -> None:
+        reservation, self.reservation = self.reservation, None
+        if reservation is None:
+            return
+        try:
+            self._state.release(reservation, nbytes, seconds)
+        except Exception:  # the ledger is advisory: never fail a turn on it (the lease ends it)
+            log.warning("releasing link reservation %s failed", reservation.id, exc_info=True)

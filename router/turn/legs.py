@@ -1,0 +1,273 @@
+"""One request to one worker ("a leg"), relayed to the client, and what a turn carries along.
+
+`LegRunner.relay` raises `WorkerUnreachable` only while nothing has reached the client yet, so
+the caller can retry the turn elsewhere; every later failure ends the client's stream with an
+error event and `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from policies.types import ClusterView, Turn
+from router.engines import adapters
+from router.errors import RouterError, stream_error_frames
+from router.fleet.workers import WorkerPool
+from router.http import Response, StreamWriter, UpstreamError, UpstreamResponse
+from router.obs.events import StageClock, StageEvents
+from router.state.shared import SessionRecord
+from router.turn.fields import RoutingFields
+from router.turn.relay import RelayResult, StreamRelay
+from router.turn.usage import Usage, usage_of
+
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+class InflightLedger(Protocol):
+    """The fleet's shared in-flight counts, as far as a leg moves them (`SharedState`)."""
+
+    def add_inflight(self, worker_id: str, delta: int) -> None: ...
+
+
+class WorkerUnreachable(Exception):
+    """A worker refused or dropped the connection before any byte reached the client."""
+
+    def __init__(self, worker_id: str, reason: str) -> None:
+        super().__init__(f"worker {worker_id} unreachable: {reason}")
+        self.worker_id = worker_id
+
+
+@dataclass
+class TurnContext:
+    """Everything one turn carries from admission to commit."""
+
+    writer: StreamWriter
+    chat: bool
+    raw: bytes
+    fields: RoutingFields
+    session_id: str
+    request_id: str
+    turn: Turn
+    record: SessionRecord | None
+    events: StageEvents
+    headers: dict[str, str]
+    prompt_chars: int = 0  # characters of prompt text, for calibrating token estimates
+    _usage: Usage | None = None
+    # a whole (non-streamed) reply whose usage is read only when someone asks: after the
+    # client has its answer
+    _reply: bytes | None = field(default=None, repr=False)
+    failed_midstream: bool = False
+    served_by: str | None = None
+    # what the decode worker reported moving (simulated workers say so in headers)
+    reported_transfer: tuple[int, float] | None = None
+    view: ClusterView | None = field(default=None, repr=False)  # the last decision's
+    # what its requests carry as `priority` to engines with priority scheduling: when its
+    # first token is due (`policies.types.engine_priority`); None: they carry none
+    priority: int | None = None
+    _body: dict[str, Any] | None = field(default=None, repr=False)
+
+    @property
+    def path(self) -> str:
+        return "/v1/chat/completions" if self.chat else "/v1/completions"
+
+    def body(self) -> dict[str, Any]:
+        if self._body is None:
+            self._body = adapters.decode_body(self.raw)
+        return self._body
+
+    def client_payload(self) -> bytes:
+        """The client's request as a worker should get it: with usage always requested."""
+        if self.fields.stream and not self.fields.wants_usage:
+            return adapters.encode_body(adapters.with_usage_requested(self.body()))
+        return self.raw
+
+    @property
+    def usage(self) -> Usage | None:
+        """The worker's exact token counts for this turn, when it reported them."""
+        if self._reply is not None:
+            self._usage, self._reply = usage_of(self._reply), None
+        return self._usage
+
+    @usage.setter
+    def usage(self, usage: Usage | None) -> None:
+        self._usage, self._reply = usage, None
+
+    def keep_reply(self, body: bytes) -> None:
+        """A whole reply from the worker that served the turn: its usage is read on demand."""
+        self._usage, self._reply = None, body
+
+    def echo(self) -> dict[str, str]:
+        return {"X-Request-Id": self.request_id, "X-Session-Id": self.session_id}
+
+
+class LegRunner:
+    """Sends legs over the pooled upstream connections and relays their answers."""
+
+    def __init__(
+        self,
+        pool: WorkerPool,
+        state: InflightLedger,
+        clock: StageClock,
+        on_upstream_error: Callable[[str, str], None],
+    ) -> None:
+        self.pool = pool
+        self._state = state
+        self._clock = clock
+        self.on_upstream_error = on_upstream_error
+
+    def send(self, ctx: TurnContext, worker_id: str, payload: bytes) -> Awaitable[UpstreamResponse]:
+        """Send a leg; awaited, the worker's status line (connection errors propagate)."""
+        if ctx.priority is not None:
+            spec = self.pool.workers[worker_id].spec
+            if spec.priority_scheduling:
+                payload = adapters.with_priority(payload, ctx.priority, spec.engine)
+        return self.pool.upstream.request(
+            self.pool.url(worker_id), "POST", ctx.path, ctx.headers, payload
+        )
+
+    async def relay(
+        self,
+        ctx: TurnContext,
+        worker_id: str,
+        payload: bytes,
+        drop_first: bool = False,
+        on_first_token: Callable[[], None] | None = None,
+        brings_kv: bool = False,
+    ) -> Response | None:
+        """The leg's answer to the client; a stream calls `on_first_token` at its first
+        content frame (a whole reply is all there when this returns). `brings_kv`: a decode
+        leg pulling its prompt's KV, which queues no prefill on the worker."""
+        with self.inflight(worker_id) as inflight:
+            if brings_kv:
+                inflight.begin()
+            try:
+                upstream = await self.send(ctx, worker_id, payload)
+            except UpstreamError as exc:
+                if ctx.writer.started:
+                    await self.fail_stream(ctx, worker_id, str(exc))
+                    return None
+                raise WorkerUnreachable(worker_id, str(exc)) from exc
+            try:
+                if upstream.status != 200:
+                    return await self._forward_error(ctx, worker_id, upstream)
+                moved = upstream.headers.get("x-kv-transfer-bytes")
+                if moved is not None:
+                    seconds = float(upstream.headers.get("x-kv-transfer-ms", "0")) / 1000
+                    ctx.reported_transfer = (int(moved), seconds)
+                if ctx.fields.stream:
+                    await self._relay_stream(
+                        ctx, worker_id, upstream, drop_first, _both(inflight.begin, on_first_token)
+                    )
+                    return None
+                body = await upstream.read()
+            except UpstreamError as exc:
+                # the worker broke off a non-streamed answer: nothing reached the client yet
+                self.on_upstream_error(worker_id, "body")
+                raise RouterError(502, f"worker {worker_id} failed: {exc}") from exc
+            except BaseException:
+                upstream.close()  # a client that went away cancels the worker's request
+                raise
+        ctx.keep_reply(body)
+        now = self._clock.now()
+        ctx.events.first_token = ctx.events.first_token or now
+        ctx.events.last_token = now
+        return Response(200, body, ctx.echo())
+
+    async def _relay_stream(
+        self, ctx: TurnContext, worker_id: str, upstream: UpstreamResponse, drop_first: bool,
+        on_first_token: Callable[[], None] | None,
+    ) -> None:  # fmt: skip
+        writer = await self.prepare(ctx)
+        relay = StreamRelay(writer, forward_usage=ctx.fields.wants_usage,
+                            drop_first_content=drop_first,
+                            on_first_content=on_first_token)  # fmt: skip
+        result = await relay.run(upstream)
+        self._stamp(ctx, result)
+        if result.error is not None:
+            ctx.failed_midstream = True
+            ctx.events.error = result.error
+            self.on_upstream_error(worker_id, "midstream")
+        await writer.end()
+
+    def _stamp(self, ctx: TurnContext, result: RelayResult) -> None:
+        ctx.usage = result.usage
+        offset = self._clock.now() - time.monotonic()
+        if result.first_token_at is not None and ctx.events.first_token is None:
+            ctx.events.first_token = result.first_token_at + offset
+        if result.last_token_at is not None:
+            ctx.events.last_token = result.last_token_at + offset
+
+    async def prepare(self, ctx: TurnContext) -> StreamWriter:
+        """Start the client's event stream (once)."""
+        if not ctx.writer.started:
+            await ctx.writer.start(200, {**_SSE_HEADERS, **ctx.echo()})
+        return ctx.writer
+
+    async def _forward_error(
+        self, ctx: TurnContext, worker_id: str, upstream: UpstreamResponse
+    ) -> Response | None:
+        body = await upstream.read()
+        if upstream.status >= 500:
+            self.on_upstream_error(worker_id, f"http_{upstream.status}")
+        ctx.events.error = f"worker answered {upstream.status}"
+        if ctx.writer.started:
+            await self.fail_stream(ctx, worker_id, f"worker answered {upstream.status}")
+            return None
+        content_type = upstream.headers.get("content-type", "application/json")
+        return Response(upstream.status, body, ctx.echo(), content_type)
+
+    async def fail_stream(self, ctx: TurnContext, worker_id: str, reason: str) -> None:
+        ctx.failed_midstream = True
+        ctx.events.error = reason
+        self.on_upstream_error(worker_id, "midstream")
+        await ctx.writer.write(stream_error_frames(502, f"worker {worker_id} failed: {reason}"))
+        await ctx.writer.end()
+
+    def inflight(self, worker_id: str) -> _Inflight:
+        return _Inflight(self.pool, self._state, worker_id)
+
+
+def _both(first: Callable[[], None], then: Callable[[], None] | None) -> Callable[[], None]:
+    if then is None:
+        return first
+
+    def both() -> None:
+        first()
+        then()
+
+    return both
+
+
+class _Inflight:
+    """Counts a request on a worker, locally (router_inflight reads it) and in the fleet's
+    shared in-flight ledger; and, once it begins answering, among the worker's requests
+    started since its last scrape (`WorkerState.started_since_scrape`)."""
+
+    __slots__ = ("_began", "_state", "_worker", "_worker_id")
+
+    def __init__(self, pool: WorkerPool, state: InflightLedger, worker_id: str) -> None:
+        self._worker, self._state, self._worker_id = pool.workers[worker_id], state, worker_id
+        self._began = -1  # the scrape epoch it began answering in
+
+    def __enter__(self) -> _Inflight:
+        self._worker.inflight += 1
+        self._state.add_inflight(self._worker_id, 1)
+        return self
+
+    def begin(self) -> None:
+        """It began answering (its first token; a decode leg bringing its KV, at once): it
+        queues no prefill there any more, whatever the last scrape saw."""
+        if self._began < 0:
+            worker = self._worker
+            self._began = worker.scrape_epoch
+            worker.started_since_scrape += 1
+
+    def __exit__(self, *exc: object) -> None:
+        worker = self._worker
+        worker.inflight -= 1
+        if self._began == worker.scrape_epoch:  # no scrape since it began: counted still
+            worker.started_since_scrape -= 1
+        self._state.add_inflight(self._worker_id, -1)

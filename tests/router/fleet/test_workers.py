@@ -1,0 +1,55 @@
+"""`WorkerPool`: the workers' views, and the requests begun since each worker's scrape."""
+
+from __future__ import annotations
+
+from router.config import WorkerSpec
+from router.fleet.telemetry import WorkerLoad
+from router.fleet.workers import WorkerPool
+from router.obs.events import StageClock
+from router.turn.legs import LegRunner
+
+
+class _FleetCounts:
+    """The shared state's in-flight ledger, as far as a leg uses it."""
+
+    def __init__(self) -> None:
+        self.inflight: dict[str, int] = {}
+
+    def add_inflight(self, worker_id: str, delta: int) -> None:
+        self.inflight[worker_id] = self.inflight.get(worker_id, 0) + delta
+
+
+def _load(running: int, waiting: int) -> WorkerLoad:
+    return WorkerLoad(running, waiting, 0.1, None, None, scraped_at=0.0)
+
+
+def _view(pool: WorkerPool, fleet: _FleetCounts) -> tuple[int, int, int, int]:
+    (view,) = pool.views(fleet.inflight, now=0.0)
+    return view.running, view.waiting, view.inflight, view.started_since_scrape
+
+
+def test_a_request_counts_as_begun_until_a_scrape_sees_it() -> None:
+    pool = WorkerPool([WorkerSpec(url="http://127.0.0.1:9", id="w1")])
+    fleet = _FleetCounts()
+    legs = LegRunner(pool, fleet, StageClock(), lambda worker, kind: None)
+    pool.on_scrape("w1", _load(0, 0), True)
+    with legs.inflight("w1") as early, legs.inflight("w1") as late:
+        assert _view(pool, fleet) == (0, 0, 2, 0)  # both sent since the scrape, not answering
+        early.begin()
+        early.begin()  # once
+        assert _view(pool, fleet) == (0, 0, 2, 1)
+        pool.on_scrape("w1", _load(1, 1), True)  # sees one answering, one queued
+        assert _view(pool, fleet) == (1, 1, 2, 0)
+        late.begin()
+        assert _view(pool, fleet) == (1, 1, 2, 1)
+        with legs.inflight("w1") as brief:
+            brief.begin()
+            assert _view(pool, fleet) == (1, 1, 3, 2)
+        assert _view(pool, fleet) == (1, 1, 2, 1)
+    # `early` began before the last scrape, which counted it: its end leaves the count alone.
+    assert _view(pool, fleet) == (1, 1, 0, 0)
+    with legs.inflight("w1") as after:
+        after.begin()
+        pool.on_scrape("w1", None, False)  # a failed scrape saw nothing: the count stays
+        assert _view(pool, fleet) == (1, 1, 1, 1)
+    assert _view(pool, fleet) == (1, 1, 0, 0)
