@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bench.results.metrics import Objectives
+from bench.results.summary import Objectives
 
 if TYPE_CHECKING:
     from bench.traces.model import Trace
@@ -98,8 +98,8 @@ async def _replay_main(args: argparse.Namespace, stop: asyncio.Event) -> int:
         run_duration_s,
     )
     from bench.replay.stream import LagProbe
-    from bench.results.metrics import Summary, summarise
     from bench.results.outputs import REPORT_MD, write_run_outputs
+    from bench.results.summary import Summary, summarise
     from router.obs.events import StageEvents
 
     trace = _load(args.trace, "replay")

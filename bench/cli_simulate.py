@@ -41,7 +41,7 @@ def params_by_policy(assignments: list[str]) -> dict[str, dict[str, str]]:
 
 def _template(args: argparse.Namespace) -> Any:
     from bench.des import SimConfig
-    from bench.results.metrics import Objectives
+    from bench.results.summary import Objectives
     from bench.stack.layout import ClusterSpec, worker_roles
 
     objectives = Objectives()

@@ -36,7 +36,9 @@ from bench.replay.run import (
     run_duration_s,
 )
 from bench.replay.stream import Api, LagProbe
-from bench.results.metrics import (
+from bench.results.outputs import write_run_outputs
+from bench.results.report import run_label
+from bench.results.summary import (
     FirstTokenConvention,
     Objectives,
     RequestResult,
@@ -44,8 +46,6 @@ from bench.results.metrics import (
     Summary,
     summarise,
 )
-from bench.results.outputs import write_run_outputs
-from bench.results.report import run_label
 from bench.simulate import GOODPUT_TARGET
 from bench.stack.layout import ClusterSpec, worker_roles
 from bench.stack.up import LocalStack, StackSpec, policy_params

@@ -1,7 +1,7 @@
 """`bench simulate`: whole traces through the discrete-event simulator, many runs in parallel.
 
 A run is one policy at one rate scale on the same simulated cluster (`bench.des.simulate`),
-summarised exactly as a live replay (`bench.results.metrics.summarise` over the client's results,
+summarised exactly as a live replay (`bench.results.summary.summarise` over the client's results,
 the run's duration from `bench.replay.run.run_duration_s`). Runs are independent: a sweep (policies
 x rate scales) or the max-goodput searches (`bench.des.goodput`, one per policy, their probes
 interleaved) spread them over a process pool. A policy that raises ends its own run; the
@@ -24,9 +24,9 @@ import msgspec
 from bench.des import PolicyFailure, SimConfig, SimStats, simulate
 from bench.des.goodput import GoodputSearch, Search, goodput_search
 from bench.replay.run import run_duration_s
-from bench.results.metrics import RequestResult, RunSummary, Summary, summarise
 from bench.results.outputs import write_run_outputs
 from bench.results.report import run_label
+from bench.results.summary import RequestResult, RunSummary, Summary, summarise
 from bench.stack.layout import hardware_params, worker_roles
 from bench.traces.model import Trace
 from policies import create_policy

@@ -34,7 +34,7 @@ import msgspec
 
 from bench.des import SimConfig
 from bench.des.goodput import Search, goodput_search
-from bench.results.metrics import RunSummary
+from bench.results.summary import RunSummary
 from bench.simulate import GOODPUT_TARGET, PolicyRun, plan_runs, run_one
 from bench.stack.layout import ClusterSpec, default_prefill_workers, worker_roles
 from bench.traces.workloads import WorkloadSpec

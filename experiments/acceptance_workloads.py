@@ -10,7 +10,7 @@ from pathlib import Path
 
 import msgspec
 
-from bench.results.metrics import RunSummary
+from bench.results.summary import RunSummary
 from bench.traces.model import Trace, load_trace
 from bench.traces.workloads import WorkloadSpec, cells, generate_matrix
 

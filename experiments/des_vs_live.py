@@ -25,8 +25,8 @@ import msgspec
 
 from bench.compare import CompareSpec, plan, run_policy
 from bench.des import SimConfig
-from bench.results.metrics import RequestResult, RunSummary, Summary
 from bench.results.outputs import write_run_outputs
+from bench.results.summary import RequestResult, RunSummary, Summary
 from bench.simulate import plan_runs, run_one
 from bench.stack.layout import ClusterSpec, worker_roles
 from bench.stack.up import run_stopping_on_sigterm

@@ -39,7 +39,7 @@ import msgspec
 
 from bench.compare import CompareSpec, plan, run_policy
 from bench.des.goodput import GoodputSearch, goodput_search
-from bench.results.metrics import MissCauses, RunSummary
+from bench.results.summary import MissCauses, RunSummary
 from bench.simulate import GOODPUT_TARGET
 from bench.stack.layout import ClusterSpec
 from bench.stack.up import StackSpec, run_stopping_on_sigterm

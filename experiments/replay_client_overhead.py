@@ -34,7 +34,7 @@ from aiohttp import web
 
 from bench.replay.run import replay
 from bench.replay.stream import LagProbe, StreamOutcome, read_stream, stream_request
-from bench.results.metrics import Objectives
+from bench.results.summary import Objectives
 from bench.traces.model import Conversation, Trace, TraceTurn
 from sim.worker.protocol import DONE, ResponseFramer, usage_dict
 

@@ -90,14 +90,6 @@ class Residency(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     turns: int = 0
 
 
-def handoff_tokens(prompt_tokens: int, residency: Residency | None, decode_worker: str) -> int:
-    """The prompt tokens a handoff to `decode_worker` moves there (its link reservation): past
-    the session's context where it is resident (at least the turn's own token), else all."""
-    if residency is None or residency.worker_id != decode_worker:
-        return prompt_tokens
-    return prompt_tokens - residency.tokens if prompt_tokens > residency.tokens else 1
-
-
 class ClusterView(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A snapshot of the fleet for one decision."""
 
@@ -220,7 +212,7 @@ def engine_priority(arrival_s: float, due_ms: float) -> int:
     return round(arrival_s * 1000.0 + due_ms)
 
 
-def decision_priority(decision: Decision, arrival_s: float) -> int | None:
+def engine_priority_of(decision: Decision, arrival_s: float) -> int | None:
     """The `engine_priority` of a decision's turn, None where it says no due time."""
     due: float | None = getattr(decision, "due_ms", None)
     return None if due is None else engine_priority(arrival_s, due)

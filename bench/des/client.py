@@ -16,7 +16,7 @@ from bench.des.loop import EventLoop
 from bench.des.router import SimRouter
 from bench.des.tokens import PromptBuilder
 from bench.des.turns import TurnRequest
-from bench.results.metrics import RequestResult
+from bench.results.summary import RequestResult
 from bench.traces.model import Conversation, Trace
 
 

@@ -6,7 +6,7 @@ from typing import Literal
 
 import msgspec
 
-from bench.results.metrics import DEFAULT_OBJECTIVES, Objectives
+from bench.results.summary import DEFAULT_OBJECTIVES, Objectives
 from bench.stack.layout import ClusterSpec
 from policies.types import Role
 

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable, Sequence
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
+from policies.plan import TransferKind
 from policies.types import LinkView
-
-Priority = Literal["handoff", "migration"]
 
 
 class Reservation(NamedTuple):
@@ -24,7 +23,7 @@ class Reservation(NamedTuple):
     src: str
     dst: str
     nbytes: int
-    priority: Priority
+    kind: TransferKind
     expires_at: float
 
 
@@ -54,7 +53,7 @@ class LinkLedger:
         self._views: tuple[LinkView, ...] | None = None
 
     def reserve(
-        self, src: str, dst: str, nbytes: int, priority: Priority, now: float
+        self, src: str, dst: str, nbytes: int, kind: TransferKind, now: float
     ) -> Reservation | None:
         """Admit `nbytes` onto src>dst; None when a migration does not fit (deferred)."""
         self._prune(now)
@@ -62,7 +61,7 @@ class LinkLedger:
         if link is None:  # a link nobody declared: created with no known capacity
             link = self._links[(src, dst)] = _Link(0.0)
             self._views = None
-        if priority == "migration":
+        if kind == "migration":
             rate = link.capacity_bps if link.capacity_bps > 0 else (link.observed_bps or 0.0)
             used = link.handoff_bytes + link.migration_bytes
             if rate > 0:
@@ -72,7 +71,7 @@ class LinkLedger:
             if not admitted:
                 return None
         self._next_id += 1
-        reservation = Reservation(self._next_id, src, dst, nbytes, priority, now + self._lease_s)
+        reservation = Reservation(self._next_id, src, dst, nbytes, kind, now + self._lease_s)
         self._live[reservation.id] = reservation
         heapq.heappush(self._expiries, (reservation.expires_at, reservation.id))
         self._apply(reservation, +1)
@@ -110,7 +109,7 @@ class LinkLedger:
 
     def _apply(self, reservation: Reservation, sign: int) -> None:
         link = self._links[(reservation.src, reservation.dst)]
-        if reservation.priority == "handoff":
+        if reservation.kind == "handoff":
             link.handoff_bytes += sign * reservation.nbytes
         else:
             link.migration_bytes += sign * reservation.nbytes

@@ -6,7 +6,7 @@ from typing import Literal
 
 import msgspec
 
-from bench.results.metrics import RequestResult
+from bench.results.summary import RequestResult
 
 PolicyStage = Literal["decide", "observe", "decision"]
 

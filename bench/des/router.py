@@ -31,25 +31,12 @@ from bench.des.config import SimConfig
 from bench.des.ledger import LinkLedger, router_links
 from bench.des.loop import EventLoop
 from bench.des.results import PolicyError, PolicyFailure, PolicyStage
-from bench.des.turns import DoneCallback, Flight, TurnRequest, priority_of
+from bench.des.turns import DoneCallback, Flight, TurnRequest, engine_priority_sent
 from bench.des.views import ViewBuilder
-from bench.results.metrics import RequestResult, Status, predicted_ttft
+from bench.results.summary import RequestResult, Status, predicted_ttft
 from policies.base import Policy
-from policies.costmodel.calibration import queue_ahead
-from policies.types import (
-    Colocate,
-    Decision,
-    Handoff,
-    Migrate,
-    Objectives,
-    Recompute,
-    Reject,
-    Residency,
-    Turn,
-    action_of,
-    handoff_tokens,
-    hold_of,
-)
+from policies.plan import kv_bytes, plan_turn
+from policies.types import Decision, Objectives, Residency, Turn, hold_of
 from router.obs.events import StageEvents
 from sim.engine.engine import EngineRequest, RequestStats
 from sim.engine.kvcache import extend_block_hashes
@@ -110,27 +97,12 @@ class SimRouter:
             decision = self._policy.decide(turn, view)
         except Exception as exc:
             raise self._failure("decide", req, exc) from exc
-        action = action_of(decision)
-        events.decided = now
-        events.policy = self._policy_name
-        events.action = action
-        events.predicted = decision.predicted
-        if isinstance(decision, Handoff):
-            events.prefill_worker = decision.prefill_worker
-            events.decode_worker = decision.decode_worker
-        elif isinstance(decision, Migrate):
-            events.prefill_worker, events.decode_worker = decision.source, decision.destination
-        elif isinstance(decision, Colocate | Recompute):
-            events.decode_worker = decision.worker
-        # As the proxy: the decode worker's running streams, the prefill worker's queue.
-        decode_view = view.worker(events.decode_worker or "")
-        prefill_view = view.worker(events.prefill_worker or events.decode_worker or "")
-        events.worker_running_at_start = decode_view.running if decode_view else 0
-        events.worker_waiting_at_start = queue_ahead(prefill_view) if prefill_view else 0
-        if action == "recompute" and residency is not None:
-            events.recomputed_tokens = residency.tokens
-        flight = Flight(req, turn, residency, events,
-                        priority_of(decision, now, self._config.scheduling_policy))  # fmt: skip
+        plan = plan_turn(decision, prompt_tokens, residency, self._kv_bytes)
+        events.record_decision(self._policy_name, decision, plan, now)
+        # As the live router, though at the decision: it records them once the turn ends.
+        events.record_placement_load(view)
+        priority = engine_priority_sent(decision, now, self._config.scheduling_policy)
+        flight = Flight(req, turn, residency, events, priority, plan)
         hold = hold_of(decision, turn.objectives.ttft_ms)
         if hold > 0.0:
             # As the live router: the turn waits in the router, then goes out as decided.
@@ -144,35 +116,27 @@ class SimRouter:
 
     def _execute(self, flight: Flight, decision: Decision) -> None:
         now = self._clock.now()
-        if isinstance(decision, Reject):
+        plan = flight.plan
+        if plan.answering_worker is None:
             reason = decision.reason or "no placement meets its objectives"
             self._end(flight, "rejected", 429, f"turn rejected: {reason}", now)
-        elif isinstance(decision, Colocate | Recompute):
-            self._single(flight, self._worker(flight, decision.worker), now)
-        elif isinstance(decision, Handoff):
-            prefill = self._worker(flight, decision.prefill_worker)
-            decode = self._worker(flight, decision.decode_worker)
-            moved = handoff_tokens(flight.turn.prompt_tokens, flight.residency,
-                                   decision.decode_worker)  # fmt: skip
-            nbytes = moved * self._kv_bytes
-            flight.reservation = self._ledger.reserve(
-                decision.prefill_worker, decision.decode_worker, nbytes, "handoff", now
-            )
-            self._handoff(flight, prefill, decode, now)
+            return
+        answering = self._worker(flight, plan.answering_worker)
+        transfer = plan.transfer
+        if transfer is None or plan.prefill_worker is None:
+            self._single(flight, answering, now)
+            return
+        prefill = self._worker(flight, plan.prefill_worker)
+        flight.reservation = self._ledger.reserve(
+            transfer.source, transfer.destination, transfer.bytes, transfer.kind, now
+        )
+        if flight.reservation is None and plan.refused_link_worker is not None:
+            # The link is busy with latency-critical handoffs: defer the migration.
+            flight.events.action = "colocate"
+            flight.events.decode_worker = plan.refused_link_worker
+            self._single(flight, prefill, now)
         else:
-            source = self._worker(flight, decision.source)
-            destination = self._worker(flight, decision.destination)
-            nbytes = flight.residency.bytes if flight.residency is not None else 0
-            flight.reservation = self._ledger.reserve(
-                decision.source, decision.destination, nbytes, "migration", now
-            )
-            if flight.reservation is None:
-                # The link is busy with latency-critical handoffs: defer the migration.
-                flight.events.action = "colocate"
-                flight.events.decode_worker = decision.source
-                self._single(flight, source, now)
-            else:
-                self._handoff(flight, source, destination, now)
+            self._handoff(flight, prefill, answering, now)
 
     def _worker(self, flight: Flight, worker_id: str) -> int:
         index = self._index.get(worker_id)
@@ -278,7 +242,7 @@ class SimRouter:
             return
         hit = engine.cached_prefix_tokens(req.prompt, self._block_hashes(req))
         flight.preload = min(held_tokens, len(req.prompt))
-        flight.pull_bytes = max(0, flight.preload - hit) * self._kv_bytes
+        flight.pull_bytes = kv_bytes(max(0, flight.preload - hit), self._kv_bytes)
         flight.pull_started = self._clock.now()
         self._cluster.transfer(held[0], leg.worker, flight.pull_bytes, self._pulled, leg)
 

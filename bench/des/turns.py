@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from bench.des.ledger import Reservation
-from bench.results.metrics import RequestResult
-from policies.types import Decision, Residency, Turn, decision_priority
+from bench.results.summary import RequestResult
+from policies.plan import Plan
+from policies.types import Decision, Residency, Turn, engine_priority_of
 from router.obs.events import StageEvents
 
 
@@ -38,10 +39,10 @@ class TurnRequest:
         self.sent_at = 0.0
 
 
-def priority_of(decision: Decision, arrival_s: float, scheduling_policy: str) -> int:
+def engine_priority_sent(decision: Decision, arrival_s: float, scheduling_policy: str) -> int:
     """What a decided turn's requests carry as `priority`: its due time where the engines
     schedule by priority and the decision says when it is due, else 0 (arrival order)."""
-    priority = decision_priority(decision, arrival_s)
+    priority = engine_priority_of(decision, arrival_s)
     return 0 if scheduling_policy != "priority" or priority is None else priority
 
 
@@ -52,15 +53,16 @@ DoneCallback = Callable[[TurnRequest, RequestResult, list[int] | None], None]
 class Flight:
     """A placed turn's state between its legs."""
 
-    __slots__ = ("decode", "events", "first_at", "first_token", "held", "preload", "priority",
-                 "pull_bytes", "pull_started", "reported", "req", "reservation", "residency",
-                 "served_by", "turn")  # fmt: skip
+    __slots__ = ("decode", "events", "first_at", "first_token", "held", "plan", "preload",
+                 "priority", "pull_bytes", "pull_started", "reported", "req", "reservation",
+                 "residency", "served_by", "turn")  # fmt: skip
 
     def __init__(
         self, req: TurnRequest, turn: Turn, residency: Residency | None, events: StageEvents,
-        priority: int = 0,
+        priority: int, plan: Plan,
     ) -> None:  # fmt: skip
         self.req = req
+        self.plan = plan
         self.turn = turn
         self.residency = residency
         self.events = events

@@ -40,7 +40,7 @@ import aiohttp
 import msgspec
 
 from bench.replay.stream import PATHS, Api, StreamOutcome, error_text, stream_request
-from bench.results.metrics import (
+from bench.results.summary import (
     FirstTokenConvention,
     Objectives,
     RequestResult,

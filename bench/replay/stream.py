@@ -22,7 +22,7 @@ from typing import Literal
 import aiohttp
 import msgspec
 
-from bench.results.metrics import Status
+from bench.results.summary import Status
 from router.turn.usage import Usage
 
 Api = Literal["chat", "completions"]

@@ -3,7 +3,7 @@
 Used by live replay, `bench compare` and the discrete-event simulator alike. Layout of
 `out_dir` after `write_run_outputs`:
 
-    summary.json     `bench.results.metrics.Summary` (schema in bench/results/metrics.py)
+    summary.json     `bench.results.summary.Summary` (schema in bench/results/summary.py)
     requests.jsonl   one `RequestResult` per line, as its JSON object: the client's
                      timestamps (sent_at, first_chunk_at, chunk_times, done_at; monotonic
                      seconds), status, token counts, objectives, and the router's stage fields
@@ -28,8 +28,8 @@ from pathlib import Path
 import msgspec
 
 from bench.results import plots
-from bench.results.metrics import RequestResult, Summary, write_summary
 from bench.results.report import Image, build_report, render_html, render_markdown, run_label
+from bench.results.summary import RequestResult, Summary, write_summary
 
 SUMMARY = "summary.json"
 REQUESTS = "requests.jsonl"

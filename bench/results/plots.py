@@ -14,7 +14,7 @@ from pathlib import Path
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from bench.results.metrics import RequestResult, itl_gaps_ms, ttft_ms
+from bench.results.summary import RequestResult, itl_gaps_ms, ttft_ms
 
 Groups = Mapping[str, Sequence[RequestResult]]
 _MAX_POINTS = 2000

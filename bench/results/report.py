@@ -13,7 +13,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from bench.results.metrics import Objectives, RunSummary, Summary, max_goodput_rate
+from bench.results.summary import Objectives, RunSummary, Summary, max_goodput_rate
 
 
 class Heading(NamedTuple):

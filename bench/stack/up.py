@@ -26,7 +26,7 @@ from typing import IO, Any, Literal, TypeVar
 import aiohttp
 import msgspec
 
-from bench.results.metrics import FirstTokenConvention
+from bench.results.summary import FirstTokenConvention
 from bench.stack.layout import ClusterSpec, hardware_params
 from policies import create_policy
 from policies.types import Role

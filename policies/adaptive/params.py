@@ -7,7 +7,7 @@ from typing import Literal
 
 import msgspec
 
-from policies.costmodel.priors import gpu_preset, model_preset
+from policies.costmodel.priors import gpu_prior, model_prior
 from policies.params import PolicyConfigError
 
 
@@ -37,8 +37,8 @@ class AdaptiveParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_hold_s: float = 5.0
 
     def __post_init__(self) -> None:
-        gpu_preset(self.gpu)
-        model_preset(self.model)
+        gpu_prior(self.gpu)
+        model_prior(self.model)
         _require(self.tp >= 1, "tp", self.tp, ">= 1")
         if self.chunked_prefill is not None:
             _require(self.chunked_prefill >= 1, "chunked_prefill", self.chunked_prefill, ">= 1")

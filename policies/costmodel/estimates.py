@@ -58,7 +58,7 @@ from policies.costmodel.calibration import (
     QueueModel,
     plausible,
 )
-from policies.costmodel.priors import RooflinePrior, Terms, gpu_preset, model_preset
+from policies.costmodel.priors import RooflinePrior, Terms, gpu_prior, model_prior
 from policies.types import Outcome
 
 TYPICAL_PROMPT_TOKENS = 2048
@@ -119,7 +119,7 @@ class Estimates:
         rate: float = 0.1,
     ) -> Estimates:
         """Estimates seeded from named presets (PolicyConfigError for unknown names)."""
-        prior = RooflinePrior(gpu_preset(gpu), model_preset(model), tp)
+        prior = RooflinePrior(gpu_prior(gpu), model_prior(model), tp)
         return cls(prior, chunk_tokens=chunk_tokens, rate=rate)
 
     def prefill_chunks(self, uncached: int) -> int:

@@ -1,4 +1,4 @@
-"""Priors: accelerator and model presets, and the uncorrected roofline they imply.
+"""Priors: the accelerator and model figures the cost model starts from, and their roofline.
 
 These are priors only: policies.costmodel.estimates corrects them online from observed outcomes, so
 a wrong preset costs accuracy for the first turns, never correctness. Numbers are dense bf16 peak
@@ -19,7 +19,7 @@ MEMORY_EFFICIENCY = 0.85
 STEP_OVERHEAD_MS = 1.5
 
 
-class GpuSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class GpuPrior(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One accelerator: dense bf16 FLOP/s, HBM bytes/s, HBM bytes."""
 
     name: str
@@ -28,7 +28,7 @@ class GpuSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     mem_bytes: float
 
 
-class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class ModelPrior(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A decoder-only transformer's shape, as far as the cost model needs it."""
 
     name: str
@@ -49,41 +49,41 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return self.params * DTYPE_BYTES
 
 
-GPUS: dict[str, GpuSpec] = {
+GPU_PRIORS: dict[str, GpuPrior] = {
     g.name: g
     for g in (
-        GpuSpec("h100-sxm", 989e12, 3.35e12, 80e9),
-        GpuSpec("h200-sxm", 989e12, 4.8e12, 141e9),
-        GpuSpec("a100-80g", 312e12, 2.0e12, 80e9),
+        GpuPrior("h100-sxm", 989e12, 3.35e12, 80e9),
+        GpuPrior("h200-sxm", 989e12, 4.8e12, 141e9),
+        GpuPrior("a100-80g", 312e12, 2.0e12, 80e9),
     )
 }
 
-MODELS: dict[str, ModelSpec] = {
+MODEL_PRIORS: dict[str, ModelPrior] = {
     m.name: m
     for m in (
-        ModelSpec("llama-3.1-8b", 32, 4096, 32, 8, 128, 8.03e9),
-        ModelSpec("llama-3.1-70b", 80, 8192, 64, 8, 128, 70.6e9),
+        ModelPrior("llama-3.1-8b", 32, 4096, 32, 8, 128, 8.03e9),
+        ModelPrior("llama-3.1-70b", 80, 8192, 64, 8, 128, 70.6e9),
     )
 }
 
 
-def gpu_preset(name: str) -> GpuSpec:
+def gpu_prior(name: str) -> GpuPrior:
     """The GPU preset `name`; PolicyConfigError listing the known ones otherwise."""
     try:
-        return GPUS[name]
+        return GPU_PRIORS[name]
     except KeyError:
         raise PolicyConfigError(
-            f"unknown GPU preset {name!r}; known: {', '.join(sorted(GPUS))}"
+            f"unknown GPU preset {name!r}; known: {', '.join(sorted(GPU_PRIORS))}"
         ) from None
 
 
-def model_preset(name: str) -> ModelSpec:
+def model_prior(name: str) -> ModelPrior:
     """The model preset `name`; PolicyConfigError listing the known ones otherwise."""
     try:
-        return MODELS[name]
+        return MODEL_PRIORS[name]
     except KeyError:
         raise PolicyConfigError(
-            f"unknown model preset {name!r}; known: {', '.join(sorted(MODELS))}"
+            f"unknown model preset {name!r}; known: {', '.join(sorted(MODEL_PRIORS))}"
         ) from None
 
 
@@ -107,8 +107,8 @@ class RooflinePrior:
 
     def __init__(
         self,
-        gpu: GpuSpec,
-        model: ModelSpec,
+        gpu: GpuPrior,
+        model: ModelPrior,
         tp: int = 1,
         *,
         compute_efficiency: float = COMPUTE_EFFICIENCY,

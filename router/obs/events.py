@@ -19,7 +19,9 @@ from typing import IO, Literal
 
 import msgspec
 
-from policies.types import Action, Outcome, Prediction
+from policies.costmodel.calibration import queue_ahead
+from policies.plan import Plan
+from policies.types import Action, ClusterView, Decision, Outcome, Prediction
 
 logger = logging.getLogger("router.obs.events")
 
@@ -92,6 +94,26 @@ class StageEvents(msgspec.Struct):
     worker_waiting_at_start: int = 0
     first_token_convention: FirstTokenConvention = "decode"
     realised: Prediction | None = None
+
+    def record_decision(self, policy: str, decision: Decision, plan: Plan, at: float) -> None:
+        """The decision stage, as the live router and the simulator both record it."""
+        self.decided = at
+        self.policy = policy
+        self.action = plan.action
+        self.predicted = decision.predicted
+        self.reason = decision.reason
+        self.prefill_worker = plan.prefill_worker
+        self.decode_worker = plan.answering_worker
+        if plan.recomputed_tokens:
+            self.recomputed_tokens = plan.recomputed_tokens
+
+    def record_placement_load(self, view: ClusterView) -> None:
+        """The answering worker's running streams and the queue ahead where the turn
+        prefills, as `view` shows them (what `observe` learns queue waits from)."""
+        answering = view.worker(self.decode_worker or "")
+        prefilling = view.worker(self.prefill_worker or self.decode_worker or "")
+        self.worker_running_at_start = answering.running if answering else 0
+        self.worker_waiting_at_start = queue_ahead(prefilling) if prefilling else 0
 
     def to_outcome(self) -> Outcome:
         """The feedback a policy's `observe` takes; durations in ms, None where unmeasured."""

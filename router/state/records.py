@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import enum
 import uuid
-from typing import Final, Literal
+from typing import Final
 
 import msgspec
 
+from policies.plan import TransferKind as TransferKind
 from policies.types import LinkView, Residency, Role
-
-Priority = Literal["handoff", "migration"]
 
 
 class Unknown(enum.Enum):
@@ -135,13 +134,13 @@ class Reservation(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     src: str
     dst: str
     nbytes: int
-    priority: Priority
+    kind: TransferKind
     expires_at: float
     local_only: bool = False
 
 
 class LinkState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A link's ledger summed over all replicas: unexpired reservations by priority class.
+    """A link's ledger summed over all replicas: unexpired reservations by transfer kind.
 
     `migration_bytes` are the admitted background transfers (the ledger's bytes in flight);
     `handoff_bytes` the latency-critical reservations. `as_of` is the Redis time (unix s) the

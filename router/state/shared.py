@@ -27,10 +27,10 @@ from router.state.records import (
     UNKNOWN,
     CommitResult,
     LinkState,
-    Priority,
     Reservation,
     SessionRecord,
     StateConfig,
+    TransferKind,
     Unknown,
     WorkerRecord,
 )
@@ -42,11 +42,11 @@ __all__ = [
     "UNKNOWN",
     "CommitResult",
     "LinkState",
-    "Priority",
     "Reservation",
     "SessionRecord",
     "SharedState",
     "StateConfig",
+    "TransferKind",
     "Unknown",
     "WorkerRecord",
 ]
@@ -208,19 +208,19 @@ class SharedState:
         self._wake()
 
     async def reserve(
-        self, src: str, dst: str, nbytes: int, priority: Priority, lease_s: float | None = None
+        self, src: str, dst: str, nbytes: int, kind: TransferKind, lease_s: float | None = None
     ) -> Reservation | None:
         """Admit `nbytes` onto the link (one round trip); None when a migration is deferred.
 
         The admission rule is in `router.state.scripts`. While degraded, handoffs are admitted
         locally (a `local_only` reservation) and migrations deferred.
         """
-        if priority not in ("handoff", "migration"):
-            raise ValueError(f"unknown priority {priority!r}")
+        if kind not in ("handoff", "migration"):
+            raise ValueError(f"unknown transfer kind {kind!r}")
         lease = self.config.reservation_lease_s if lease_s is None else lease_s
-        reservation_id = f"{priority[0]}-{uuid.uuid4().hex}"
+        reservation_id = f"{kind[0]}-{uuid.uuid4().hex}"
         if self.degraded:
-            return self._reserve_locally(reservation_id, src, dst, nbytes, priority, lease)
+            return self._reserve_locally(reservation_id, src, dst, nbytes, kind, lease)
         lid, link_key, lease_key, resv_key = self._keys.link(src, dst)
         lease_ms = max(1, int(lease * 1000))
         started = time.perf_counter()
@@ -240,16 +240,16 @@ class SharedState:
             )
         except UNREACHABLE as error:
             self._sync.fail(error)
-            return self._reserve_locally(reservation_id, src, dst, nbytes, priority, lease)
+            return self._reserve_locally(reservation_id, src, dst, nbytes, kind, lease)
         except RedisError:
             log.exception("reserve on %s>%s failed", src, dst)
-            return self._reserve_locally(reservation_id, src, dst, nbytes, priority, lease)
+            return self._reserve_locally(reservation_id, src, dst, nbytes, kind, lease)
         self._sync.roundtrip("reserve", started)
         admitted, expires_ms, *ledger = reply
         self._fleet.put_link(link_from_ledger(src, dst, *ledger))
         if not admitted:
             return None
-        return Reservation(reservation_id, src, dst, nbytes, priority, int(expires_ms) / 1000.0)
+        return Reservation(reservation_id, src, dst, nbytes, kind, int(expires_ms) / 1000.0)
 
     def release(self, reservation: Reservation, transferred_bytes: int, seconds: float) -> None:
         """Queue the release; a transfer that took `seconds` > 0 updates observed_bps."""
@@ -321,13 +321,13 @@ class SharedState:
         return None if answer is UNKNOWN else answer
 
     def _reserve_locally(
-        self, reservation_id: str, src: str, dst: str, nbytes: int, priority: Priority,
+        self, reservation_id: str, src: str, dst: str, nbytes: int, kind: TransferKind,
         lease_s: float,
     ) -> Reservation | None:  # fmt: skip
-        if priority != "handoff":
+        if kind != "handoff":
             return None
         reservation = Reservation(
-            reservation_id, src, dst, nbytes, priority, time.time() + lease_s, local_only=True
+            reservation_id, src, dst, nbytes, kind, time.time() + lease_s, local_only=True
         )
         self._fleet.add_local_reservation(reservation)
         return reservation

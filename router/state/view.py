@@ -196,7 +196,7 @@ class FleetView:
         current = self.links.get((reservation.src, reservation.dst))
         if current is None or current.reservations == 0:
             return
-        if reservation.priority == "handoff":
+        if reservation.kind == "handoff":
             changes = {"handoff_bytes": max(0, current.handoff_bytes - reservation.nbytes)}
         else:
             changes = {"migration_bytes": max(0, current.migration_bytes - reservation.nbytes)}
@@ -226,9 +226,8 @@ class FleetView:
             base = views.get((r.src, r.dst)) or LinkState(src=r.src, dst=r.dst)
             views[(r.src, r.dst)] = msgspec.structs.replace(
                 base,
-                handoff_bytes=base.handoff_bytes + (r.nbytes if r.priority == "handoff" else 0),
-                migration_bytes=base.migration_bytes
-                + (r.nbytes if r.priority == "migration" else 0),
+                handoff_bytes=base.handoff_bytes + (r.nbytes if r.kind == "handoff" else 0),
+                migration_bytes=base.migration_bytes + (r.nbytes if r.kind == "migration" else 0),
                 reservations=base.reservations + 1,
             )
         return views

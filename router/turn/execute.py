@@ -7,22 +7,14 @@ import logging
 import random
 from collections.abc import Awaitable
 
-from policies.types import (
-    Colocate,
-    Decision,
-    Handoff,
-    Migrate,
-    Recompute,
-    Reject,
-    handoff_tokens,
-    hold_of,
-)
+from policies.plan import Plan, Transfer, kv_bytes, tokens_to_move
+from policies.types import Decision, Reject, hold_of
 from router.config import RouterConfig
 from router.engines import adapters
 from router.errors import RouterError
 from router.http import Response, UpstreamConnectError, UpstreamError
 from router.obs.events import StageClock
-from router.state.shared import Priority, Reservation, SharedState
+from router.state.shared import Reservation, SharedState
 from router.turn.legs import LegRunner, TurnContext, WorkerUnreachable
 from router.turn.relay import answer_usage
 
@@ -41,43 +33,35 @@ class Executor:
         self._rng = random.Random()
         self._drains: set[asyncio.Task[None]] = set()
 
-    async def execute(self, ctx: TurnContext, decision: Decision) -> Response | None:
-        if isinstance(decision, Reject):
+    async def execute(self, ctx: TurnContext, decision: Decision, plan: Plan) -> Response | None:
+        """Carry out `plan`, what `decision` became: its legs, and its transfer's reservation."""
+        if plan.answering_worker is None:
+            reason = decision.reason if isinstance(decision, Reject) else ""
+            retry_after = decision.retry_after_s if isinstance(decision, Reject) else None
             raise RouterError(
-                429, f"turn rejected: {decision.reason or 'no placement meets its objectives'}",
-                retry_after_s=decision.retry_after_s,
+                429, f"turn rejected: {reason or 'no placement meets its objectives'}",
+                retry_after_s=retry_after,
             )  # fmt: skip
         hold = hold_of(decision, ctx.turn.objectives.ttft_ms)
         if hold > 0.0:
             # The prefill worker's streams end meanwhile; a client gone now cancels this.
             await asyncio.sleep(hold)
             ctx.events.released = self._clock.now()
-        if isinstance(decision, Colocate | Recompute):
-            return await self._single(ctx, decision.worker)
-        if isinstance(decision, Handoff):
-            residency = ctx.record.to_residency() if ctx.record is not None else None
-            moved = handoff_tokens(ctx.turn.prompt_tokens, residency, decision.decode_worker)
-            nbytes = moved * self._config.kv_bytes_per_token
-            reservation = await self._reserve(decision.prefill_worker, decision.decode_worker,
-                                              nbytes, "handoff")  # fmt: skip
-            return await self._handoff(ctx, decision.prefill_worker, decision.decode_worker,
-                                       reservation)  # fmt: skip
-        assert isinstance(decision, Migrate)
-        nbytes = ctx.record.bytes if ctx.record else 0
-        reservation = await self._reserve(decision.source, decision.destination, nbytes,
-                                          "migration")  # fmt: skip
-        if reservation is None:
+        transfer = plan.transfer
+        if transfer is None or plan.prefill_worker is None:
+            return await self._single(ctx, plan.answering_worker)
+        reservation = await self._reserve(transfer)
+        if reservation is None and plan.refused_link_worker is not None:
             # The link is busy with latency-critical handoffs: defer the migration this turn.
             ctx.events.action = "colocate"
-            ctx.events.decode_worker = decision.source
-            return await self._single(ctx, decision.source)
-        return await self._handoff(ctx, decision.source, decision.destination, reservation)
+            ctx.events.decode_worker = plan.refused_link_worker
+            return await self._single(ctx, plan.refused_link_worker)
+        return await self._handoff(ctx, plan.prefill_worker, plan.answering_worker, reservation)
 
-    async def _reserve(
-        self, src: str, dst: str, nbytes: int, priority: Priority
-    ) -> Reservation | None:
+    async def _reserve(self, transfer: Transfer) -> Reservation | None:
+        src, dst = transfer.source, transfer.destination
         try:
-            return await self._state.reserve(src, dst, nbytes, priority)
+            return await self._state.reserve(src, dst, transfer.bytes, transfer.kind)
         except Exception:  # the ledger is advisory: never fail a turn on it
             log.warning("link reservation %s->%s failed", src, dst, exc_info=True)
             return None
@@ -184,9 +168,9 @@ class Executor:
         # Engines do not report what the pull moved: everything the decode worker did not
         # already hold as this session's resident prefix.
         prompt = ctx.usage.prompt_tokens if ctx.usage else ctx.turn.prompt_tokens
-        record = ctx.record
-        resident = record.tokens if record and record.worker_id == ctx.served_by else 0
-        return max(0, prompt - resident) * self._config.kv_bytes_per_token, seconds
+        residency = ctx.record.to_residency() if ctx.record is not None else None
+        moved = tokens_to_move(prompt, residency, ctx.served_by or "")
+        return kv_bytes(moved, self._config.kv_bytes_per_token), seconds
 
     async def _decode_fallback(
         self, ctx: TurnContext, failed: str, drop_first: bool

@@ -66,7 +66,7 @@ class TurnContext:
     view: ClusterView | None = field(default=None, repr=False)  # the last decision's
     # what its requests carry as `priority` to engines with priority scheduling: when its
     # first token is due (`policies.types.engine_priority`); None: they carry none
-    priority: int | None = None
+    engine_priority: int | None = None
     _body: dict[str, Any] | None = field(default=None, repr=False)
 
     @property
@@ -120,10 +120,10 @@ class LegRunner:
 
     def send(self, ctx: TurnContext, worker_id: str, payload: bytes) -> Awaitable[UpstreamResponse]:
         """Send a leg; awaited, the worker's status line (connection errors propagate)."""
-        if ctx.priority is not None:
+        if ctx.engine_priority is not None:
             spec = self.pool.workers[worker_id].spec
             if spec.priority_scheduling:
-                payload = adapters.with_priority(payload, ctx.priority, spec.engine)
+                payload = adapters.with_priority(payload, ctx.engine_priority, spec.engine)
         return self.pool.upstream.request(
             self.pool.url(worker_id), "POST", ctx.path, ctx.headers, payload
         )

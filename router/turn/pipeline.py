@@ -14,18 +14,15 @@ import time
 from collections.abc import Callable
 
 from policies.base import Policy
-from policies.costmodel.calibration import queue_ahead
+from policies.plan import Plan, kv_bytes, plan_turn
 from policies.types import (
     ClusterView,
     Decision,
-    Handoff,
-    Migrate,
     Objectives,
     Prediction,
     Residency,
     Turn,
-    action_of,
-    decision_priority,
+    engine_priority_of,
 )
 from router.config import RouterConfig
 from router.errors import RouterError, stream_error_frames
@@ -214,7 +211,7 @@ class TurnPipeline:
             kv_bytes_per_token=self._config.kv_bytes_per_token,
         )
 
-    def _decide(self, ctx: TurnContext) -> Decision:
+    def _decide(self, ctx: TurnContext) -> tuple[Decision, Plan]:
         holder = self._policy
         view = self.view(ctx.record)
         started = time.perf_counter()
@@ -224,28 +221,16 @@ class TurnPipeline:
             log.exception("policy %s failed on request %s", holder.name, ctx.request_id)
             raise RouterError(500, f"placement policy {holder.name!r} failed: {exc}") from exc
         elapsed = time.perf_counter() - started
-        action = action_of(decision)
-        self._metrics.decision(holder.name, action, elapsed)
-        events = ctx.events
-        events.decided = self._clock.now()
-        events.policy = holder.name
-        events.action = action
-        events.predicted = decision.predicted
-        events.reason = decision.reason
-        if isinstance(decision, Handoff):
-            events.prefill_worker, events.decode_worker = (decision.prefill_worker,
-                                                           decision.decode_worker)  # fmt: skip
-        elif isinstance(decision, Migrate):
-            events.prefill_worker, events.decode_worker = decision.source, decision.destination
-        elif hasattr(decision, "worker"):
-            events.decode_worker = decision.worker
+        residency = ctx.record.to_residency() if ctx.record is not None else None
+        plan = plan_turn(decision, ctx.turn.prompt_tokens, residency,
+                         self._config.kv_bytes_per_token)  # fmt: skip
+        self._metrics.decision(holder.name, plan.action, elapsed)
+        ctx.events.record_decision(holder.name, decision, plan, self._clock.now())
         ctx.view = view  # what the workers looked like is written down after the answer
         # a client's own priority stays; a retried turn carries its latest decision's
         own = ctx.fields.priority is not None
-        ctx.priority = None if own else decision_priority(decision, view.now_s)
-        if action == "recompute" and ctx.record is not None:
-            events.recomputed_tokens = ctx.record.tokens
-        return decision
+        ctx.engine_priority = None if own else engine_priority_of(decision, view.now_s)
+        return decision, plan
 
     async def _place_and_run(self, ctx: TurnContext) -> Response | None:
         if self._pool.healthy_count() == 0:
@@ -253,9 +238,9 @@ class TurnPipeline:
         if self._unsettled:  # runs once this turn waits on its worker
             self._loop().call_soon(self.settle)
         for attempt in range(2):
-            decision = self._decide(ctx)
+            decision, plan = self._decide(ctx)
             try:
-                return await self._executor.execute(ctx, decision)
+                return await self._executor.execute(ctx, decision, plan)
             except WorkerUnreachable as exc:
                 self._mark_failed(exc.worker_id)
                 self._metrics.retry("connect")
@@ -272,7 +257,7 @@ class TurnPipeline:
         if ctx is not None:
             self._commit(ctx, events)
             if ctx.view is not None:
-                _note_worker_load(ctx.view, events)
+                events.record_placement_load(ctx.view)
         self._unsettled.append(events)
         if self._settle_timer is None:  # left armed when a turn settles first: one per period
             self._settle_timer = self._loop().call_later(SETTLE_AFTER_S, self._settle_on_time)
@@ -356,16 +341,6 @@ class TurnPipeline:
         if events.outcome != "completed" or usage is None or ctx.served_by is None:
             return
         tokens = usage.prompt_tokens + usage.completion_tokens
-        self._state.commit_session_nowait(
-            ctx.session_id, ctx.served_by, tokens, tokens * self._config.kv_bytes_per_token,
-            expected,
-        )  # fmt: skip
+        nbytes = kv_bytes(tokens, self._config.kv_bytes_per_token)
+        self._state.commit_session_nowait(ctx.session_id, ctx.served_by, tokens, nbytes, expected)
 
-
-def _note_worker_load(view: ClusterView, events: StageEvents) -> None:
-    """The decode worker's running streams and the queue ahead at the prefill worker, as the
-    decision saw them (the policy's observe learns queue waits from these)."""
-    decode_view = view.worker(events.decode_worker or "")
-    prefill_view = view.worker(events.prefill_worker or events.decode_worker or "")
-    events.worker_running_at_start = decode_view.running if decode_view else 0
-    events.worker_waiting_at_start = queue_ahead(prefill_view) if prefill_view else 0

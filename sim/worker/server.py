@@ -16,7 +16,6 @@ from aiohttp import web
 from sim.engine.engine import Engine, EngineConfig, EngineRequest, StepOutput
 from sim.fabric.kv_pull import KvPuller, PullResult
 from sim.worker.ingest import ingest
-from sim.worker.metrics import CONTENT_TYPE, WorkerMetrics
 from sim.worker.protocol import (
     DONE,
     Kind,
@@ -28,6 +27,7 @@ from sim.worker.protocol import (
 )
 from sim.worker.realtime import EngineRunner, FabricRunner, ScheduleClock
 from sim.worker.tokenizer import WordGenerator
+from sim.worker.vllm_metrics import CONTENT_TYPE, WorkerMetrics
 
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 

@@ -9,8 +9,8 @@ from rich.console import Console
 
 from bench.cli_live import _params_by_policy
 from bench.compare import CompareSpec, compare, comparison_table, plan, roles_for
-from bench.results.metrics import read_summary
 from bench.results.outputs import read_requests
+from bench.results.summary import read_summary
 from bench.stack.layout import ClusterSpec
 from bench.traces.model import write_native
 from bench.traces.workloads import ArrivalSpec, ThinkSpec, WorkloadSpec, generate_matrix
@@ -128,7 +128,7 @@ def test_adaptive_gets_the_clusters_hardware(tmp_path: Path) -> None:
 
 
 def test_comparison_table_has_a_column_per_run(tmp_path: Path) -> None:
-    from bench.results.metrics import Summary, summarise
+    from bench.results.summary import Summary, summarise
 
     summary = Summary([summarise([], "colocate", 1.0, 1.0, "decode"),
                        summarise([], "threshold", 1.0, 1.0, "decode")])  # fmt: skip
@@ -162,7 +162,7 @@ async def test_max_goodput_search_probes_fresh_runs_until_the_bracket_closes(
 
     import bench.compare as compare_module
     from bench.compare import ComparedRun
-    from bench.results.metrics import RequestResult, summarise
+    from bench.results.summary import RequestResult, summarise
     from bench.stack.up import StackSpec
     from bench.traces.model import Trace
 

@@ -12,7 +12,7 @@ import msgspec
 import pytest
 
 from bench.compare import plan
-from bench.results.metrics import MissCauses, RunSummary, summarise
+from bench.results.summary import MissCauses, RunSummary, summarise
 from bench.stack.layout import ClusterSpec
 from bench.stack.up import StackSpec
 from experiments.acceptance_verdicts import render, verdict

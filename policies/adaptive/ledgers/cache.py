@@ -28,7 +28,7 @@ from policies.adaptive.ledgers.legs import (
     forget_oldest,
 )
 from policies.costmodel.calibration import Average
-from policies.costmodel.priors import gpu_preset, model_preset
+from policies.costmodel.priors import gpu_prior, model_prior
 
 # vLLM's default --gpu-memory-utilization: the share of a GPU's memory its engine takes.
 GPU_MEMORY_UTILIZATION = 0.9
@@ -39,7 +39,7 @@ Fill = tuple[str, int]  # a worker, and the tokens of KV a placement fills there
 def kv_capacity_tokens(gpu: str, model: str, tp: int) -> float:
     """Tokens of KV an engine of `model` on `tp` x `gpu` holds (a prior: the engine reserves
     activations too)."""
-    g, m = gpu_preset(gpu), model_preset(model)
+    g, m = gpu_prior(gpu), model_prior(model)
     free = g.mem_bytes * tp * GPU_MEMORY_UTILIZATION - m.weight_bytes
     return free / m.kv_bytes_per_token if free > 0.0 else 0.0
 

@@ -7,7 +7,7 @@ import msgspec
 import pytest
 
 from bench.des import SimConfig, simulate
-from bench.des.turns import priority_of
+from bench.des.turns import engine_priority_sent
 from bench.stack.layout import ClusterSpec
 from bench.traces.model import Conversation, Trace, TraceTurn
 from policies.types import ClusterView, Colocate, Decision, Outcome, Reject, Turn, engine_priority
@@ -62,5 +62,5 @@ def test_the_turn_due_first_is_served_first_under_priority_scheduling(
 def test_a_turn_carries_its_due_time_only_to_priority_engines(
     decision: Decision, policy: str, priority: int
 ) -> None:
-    assert priority_of(decision, 2.0, policy) == priority
+    assert engine_priority_sent(decision, 2.0, policy) == priority
     assert engine_priority(2.0, 750.0) == 2750

@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from bench.des import SimConfig, simulate
-from bench.results.metrics import read_summary
+from bench.results.summary import read_summary
 from bench.simulate import plan_runs, run_simulation
 from bench.stack.layout import ClusterSpec, worker_roles
 from bench.traces.model import write_native

@@ -11,7 +11,7 @@ import pytest
 from bench.des import SimConfig, simulate
 from bench.des.ledger import LinkLedger
 from bench.des.tokens import ASSISTANT_TAG, SYSTEM_TAG, USER_TAG, PromptBuilder
-from bench.results.metrics import RequestResult
+from bench.results.summary import RequestResult
 from bench.stack.layout import ClusterSpec
 from bench.traces.model import Conversation, Trace, TraceTurn
 from bench.traces.workloads import ArrivalSpec, ThinkSpec, WorkloadSpec, generate_matrix
@@ -26,10 +26,8 @@ from policies.types import (
     Migrate,
     Outcome,
     Reject,
-    Residency,
     Role,
     Turn,
-    handoff_tokens,
 )
 from sim.engine.kvcache import extend_block_hashes
 from sim.engine.presets import deployment_from_names
@@ -367,22 +365,6 @@ def test_a_handoff_gives_its_link_reservation_back_when_the_pull_ends() -> None:
     assert first.first_chunk_at < 1.0 < first.done_at  # still decoding when "later" arrives
     assert watcher.reserved == [(0.0, 0), (1.0, 0)]
     assert first.transferred_bytes == first.prompt_tokens * KV_BYTES  # still reported
-
-
-@pytest.mark.parametrize(
-    ("residency", "worker", "prompt", "moved"),
-    [
-        (None, "w1", 5000, 5000),
-        (("w1", 4000), "w1", 5000, 1000),
-        (("w1", 4000), "w2", 5000, 5000),  # w2 holds nothing of it
-        (("w1", 6000), "w1", 5000, 1),  # a shorter prompt (edited history): its own token
-    ],
-)
-def test_handoff_tokens(
-    residency: tuple[str, int] | None, worker: str, prompt: int, moved: int
-) -> None:
-    held = None if residency is None else Residency(residency[0], residency[1], 0, 1)
-    assert handoff_tokens(prompt, held, worker) == moved
 
 
 class AlwaysMigrate:

@@ -20,8 +20,8 @@ from bench.replay.run import (
     run_duration_s,
 )
 from bench.replay.stream import LagProbe
-from bench.results.metrics import Objectives, Summary, percentiles, read_summary, summarise, ttft_ms
 from bench.results.outputs import read_requests, write_run_outputs
+from bench.results.summary import Objectives, Summary, percentiles, read_summary, summarise, ttft_ms
 from bench.stack.layout import ClusterSpec
 from bench.stack.up import LocalStack, StackSpec
 from bench.traces.model import Conversation, Trace, TraceTurn

@@ -8,9 +8,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from bench.results.metrics import Objectives, RequestResult, Summary, read_summary, summarise
 from bench.results.outputs import group_results, read_requests, write_run_outputs
 from bench.results.report import run_label
+from bench.results.summary import Objectives, RequestResult, Summary, read_summary, summarise
 
 PNG = b"\x89PNG\r\n\x1a\n"
 FIGURES = ("ttft_cdf.png", "itl_cdf.png", "slo_by_class.png", "decisions.png")

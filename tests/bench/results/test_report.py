@@ -5,15 +5,6 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from bench.results.metrics import (
-    ItlStats,
-    MissCauses,
-    Objectives,
-    RunSummary,
-    Summary,
-    TailStats,
-    TtftStats,
-)
 from bench.results.report import (
     Block,
     Bullets,
@@ -25,6 +16,15 @@ from bench.results.report import (
     render_html,
     render_markdown,
     run_label,
+)
+from bench.results.summary import (
+    ItlStats,
+    MissCauses,
+    Objectives,
+    RunSummary,
+    Summary,
+    TailStats,
+    TtftStats,
 )
 
 

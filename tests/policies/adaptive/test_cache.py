@@ -12,12 +12,12 @@ from policies.adaptive.ledgers.cache import CacheLedger, kv_capacity_tokens
 from policies.adaptive.policy import AdaptivePolicy
 from policies.adaptive.scoring import Scorer
 from policies.costmodel.estimates import Estimates
-from policies.costmodel.priors import gpu_preset, model_preset
+from policies.costmodel.priors import gpu_prior, model_prior
 from policies.testing.views import KV, w
 
 
 def test_kv_capacity_is_the_memory_vllm_takes_less_the_weights() -> None:
-    gpu, model = gpu_preset("h200-sxm"), model_preset("llama-3.1-8b")
+    gpu, model = gpu_prior("h200-sxm"), model_prior("llama-3.1-8b")
     expected = (141e9 * 0.9 - 8.03e9 * 2) / model.kv_bytes_per_token
     assert kv_capacity_tokens(gpu.name, model.name, 1) == pytest.approx(expected)
     assert kv_capacity_tokens("h200-sxm", "llama-3.1-8b", 2) > 2 * expected

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from bench.results.metrics import itl_stats
+from bench.results.summary import itl_stats
 from policies import ClusterView, Objectives, Turn
 from policies.adaptive.ledgers import legs as adaptive_ledgers
 from policies.adaptive.ledgers.legs import (

@@ -9,7 +9,7 @@ import pytest
 
 from policies import Outcome, PolicyConfigError
 from policies.costmodel.estimates import FACTOR_MAX, FACTOR_MIN, Estimates, PrefillLeg
-from policies.costmodel.priors import GPUS, gpu_preset, model_preset
+from policies.costmodel.priors import GPU_PRIORS, gpu_prior, model_prior
 
 
 class Truth:
@@ -378,7 +378,7 @@ def test_chunked_prefill_steps(chunk: int | None, uncached: int, chunks: int) ->
     ],
 )
 def test_gpu_presets(name: str, peak: float, bandwidth: float, memory: float) -> None:
-    gpu = gpu_preset(name)
+    gpu = gpu_prior(name)
     assert (gpu.peak_flops, gpu.mem_bandwidth, gpu.mem_bytes) == (peak, bandwidth, memory)
 
 
@@ -392,13 +392,13 @@ def test_gpu_presets(name: str, peak: float, bandwidth: float, memory: float) ->
 def test_model_presets(
     name: str, shape: tuple[int, int, int, int, int, float], kv_bytes: int
 ) -> None:
-    m = model_preset(name)
+    m = model_prior(name)
     assert (m.layers, m.hidden_size, m.heads, m.kv_heads, m.head_dim, m.params) == shape
     assert m.kv_bytes_per_token == kv_bytes
 
 
 def test_unknown_presets_list_the_known_ones() -> None:
-    known_gpus = ", ".join(sorted(GPUS))
+    known_gpus = ", ".join(sorted(GPU_PRIORS))
     with pytest.raises(
         PolicyConfigError, match=re.escape(f"GPU preset 'b200'; known: {known_gpus}")
     ):

@@ -32,7 +32,7 @@ async def test_handoff_reservation_is_shared_then_released(redis_url: str, prefi
     async with running(redis_url, prefix, "a") as a, running(redis_url, prefix, "b") as b:
         held = await a.reserve(*LINK, 4096, "handoff")
         assert held is not None and not held.local_only
-        assert (held.src, held.dst, held.nbytes, held.priority) == ("w1", "w2", 4096, "handoff")
+        assert (held.src, held.dst, held.nbytes, held.kind) == ("w1", "w2", 4096, "handoff")
         assert held.expires_at == pytest.approx(time.time() + 30, abs=2)
         assert (link(a).handoff_bytes, link(a).reservations) == (4096, 1)  # no refresh needed
         await eventually(lambda: (link(b).handoff_bytes, link(b).reservations) == (4096, 1))

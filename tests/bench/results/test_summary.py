@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from msgspec.structs import astuple, replace
 
-from bench.results.metrics import (
+from bench.results.summary import (
     ItlStats,
     MissCauses,
     Objectives,

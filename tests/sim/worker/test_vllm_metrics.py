@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sim.cluster import SimCluster
 from sim.commands import add_worker_options, worker_options
-from sim.worker.metrics import LatencyHistogram, WorkerMetrics
+from sim.worker.vllm_metrics import LatencyHistogram, WorkerMetrics
 
 BUCKETS = (0.001, 0.01, 0.1, 1.0, 2560.0)
 VALUES = [0.0, 0.0005, 0.001, 0.0011, 0.01, 0.5, 1.0, 3.0, 5000.0]
