@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import ast
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -48,6 +47,8 @@ MODULES = (
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / ".native"
 MANIFEST = "manifest.json"
+LIBRARY = "lib"  # the folder of the shared library, beside the compiled packages
+LAYOUT = 2  # how a build is laid out in `out`; a build of another layout is stale
 GROUP = "router_native"  # the shared library every compiled module links: top-level name
 DISABLE = "SESSION_ROUTER_NATIVE"
 
@@ -60,7 +61,7 @@ def fingerprint(root: Path, modules: tuple[str, ...] = MODULES) -> dict[str, obj
     """What a build is valid for: this Python, and each compiled module's source."""
     sources = {m: hashlib.sha256((root / m).read_bytes()).hexdigest() for m in modules}
     return {"python": sys.version, "ext": sysconfig.get_config_var("EXT_SUFFIX"),
-            "sources": sources}  # fmt: skip
+            "layout": LAYOUT, "sources": sources}  # fmt: skip
 
 
 def activate(
@@ -80,27 +81,16 @@ def activate(
     compiled = out.joinpath(*package.split("."))
     if not fresh or not compiled.is_dir():
         return False
-    _load_group(out)
+    library = str(out / LIBRARY)
+    if library not in sys.path:
+        # the shared library is a top-level module, alone in its folder: `out` itself on
+        # sys.path would make a fresh `import router` (a spawned child inherits sys.path) a
+        # namespace package of only the compiled modules
+        sys.path.append(library)
     if str(compiled) not in package_path:
         package_path.insert(0, str(compiled))
     active, status = True, f"on: {out}"
     return True
-
-
-def _load_group(out: Path) -> None:
-    """Import the shared library the compiled modules link, by its file: `out` never goes on
-    sys.path, where its `router/` folder would make a fresh `import router` (a spawned child
-    inherits sys.path) a namespace package holding only the compiled modules."""
-    name = GROUP + "__mypyc"
-    if name in sys.modules:
-        return
-    library = out / (name + str(sysconfig.get_config_var("EXT_SUFFIX")))
-    spec = importlib.util.spec_from_file_location(name, library)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load {library}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
 
 
 def _is_fresh(root: Path, out: Path, modules: tuple[str, ...] = MODULES) -> bool:
@@ -150,6 +140,9 @@ def build(root: Path = ROOT, out: Path = OUT, modules: tuple[str, ...] = MODULES
             setup(name=GROUP, ext_modules=extensions, script_args=command)
     finally:
         os.chdir(here)
+    (out / LIBRARY).mkdir()
+    for library in out.glob(GROUP + "__mypyc*"):
+        library.rename(out / LIBRARY / library.name)
     (out / MANIFEST).write_text(json.dumps(fingerprint(root, modules)))
 
 

@@ -27,7 +27,6 @@ from pathlib import Path
 
 import msgspec
 
-from bench.results import plots
 from bench.results.report import Image, build_report, render_html, render_markdown, run_label
 from bench.results.summary import RequestResult, Summary, write_summary
 
@@ -71,6 +70,8 @@ def write_run_outputs(
     notes: Sequence[str] = (),
 ) -> None:
     """Write every file of a run (see the module docstring) into `out_dir`, creating it."""
+    from bench.results import plots  # matplotlib, the `bench` extra: only where figures are drawn
+
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_summary(summary, out_dir / SUMMARY)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import sysconfig
 from collections.abc import Callable
 from pathlib import Path
@@ -38,11 +39,17 @@ def _fresh_state(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(native.DISABLE, raising=False)
 
 
-def test_a_fresh_build_goes_ahead_of_the_sources(tmp_path: Path) -> None:
+def test_a_fresh_build_goes_ahead_of_the_sources(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys, "path", list(sys.path))
     root, out = _tree(tmp_path)
     path = [str(root / "pkg")]
     assert native.activate(path, "pkg", root, out, (_MODULE,))
     assert path == [str(out / "pkg"), str(root / "pkg")]
+    # the shared library's folder is importable, the build's root is not: with it on sys.path
+    # a spawned child's `import router` would find only the compiled modules
+    assert str(out / native.LIBRARY) in sys.path and str(out) not in sys.path
     assert native.active and native.status == f"on: {out}"
     assert native.activate(path, "pkg", root, out, (_MODULE,))  # twice: inserted once
     assert path == [str(out / "pkg"), str(root / "pkg")]
