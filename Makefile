@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TYPED := router policies sim bench experiments session_router_cli.py
 
-.PHONY: test lint typecheck unit demo install native clean
+.PHONY: test lint typecheck unit e2e slow suite demo install native clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,10 +29,21 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy $(TYPED)
 
+# the suites by marker (tests/conftest.py says which test is which): unit runs in under a
+# minute; suite runs all of them
 unit: native
+	$(BIN)/python -m pytest -q -m unit $(PYTEST_ARGS)
+
+e2e: native
+	$(BIN)/python -m pytest -q -m e2e $(PYTEST_ARGS)
+
+slow: native
+	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)
+
+suite: native
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-test: lint typecheck unit
+test: lint typecheck suite
 
 demo: $(STAMP)
 	$(BIN)/session-router demo

@@ -30,3 +30,34 @@ def free_port() -> int:
 @pytest.fixture
 def unused_port() -> int:
     return free_port()
+
+
+# The suites (`make unit` runs the unit suite; `make test` all three). A test is e2e when it
+# starts our command line as processes, slow when it runs many generated cases or long
+# real-time sequences, and unit otherwise.
+E2E_PATHS = (
+    "tests/e2e/",
+    "tests/bench/stack/test_up.py",
+    "tests/bench/test_compare.py",
+    "tests/bench/replay/test_run.py",
+    "tests/sim/test_sim_worker_processes.py",
+    "tests/experiments/test_live_acceptance.py",
+    "tests/test_install_extras.py",
+)
+SLOW_PATHS = (
+    "tests/policies/test_properties.py",
+    "tests/policies/adaptive/test_properties.py",
+    "tests/bench/des/test_ledger_vs_lua.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    root = config.rootpath
+    for item in items:
+        path = item.path.relative_to(root).as_posix()
+        if path.startswith(E2E_PATHS):
+            item.add_marker(pytest.mark.e2e)
+        if path.startswith(SLOW_PATHS):
+            item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("e2e") is None and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.unit)
