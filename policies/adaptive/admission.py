@@ -15,10 +15,8 @@ from __future__ import annotations
 
 from collections import deque
 
+from policies.adaptive import tuning
 from policies.adaptive.ledgers.legs import forget_oldest
-
-LEARNING_RATE = 0.01  # the share follows about the last 100 turns
-MAX_FACTOR = 20.0  # at most this many objectives: where nearly every turn continues a session
 
 
 class Admission:
@@ -42,52 +40,34 @@ class Admission:
             return
         continues = last is not None
         sessions[session_id] = (request_id, continues)
-        self.continuing += LEARNING_RATE * (float(continues) - self.continuing)
+        self.continuing += tuning.CONTINUING_RATE * (float(continues) - self.continuing)
         forget_oldest(sessions)
 
     def limit_ms(self, objective_ms: float) -> float:
         """The predicted TTFT past which a turn with this objective is rejected."""
-        shed = 1.0 - self.continuing
-        return objective_ms / shed if shed * MAX_FACTOR > 1.0 else objective_ms * MAX_FACTOR
-
-
-# A served turn is due at most this many of the laxest recent fresh turn's objectives after
-# it arrives (`Deadlines`); a light returning turn at most one.
-DUE_CAP_FACTOR = 2.0
-FRESH_WINDOW = 256  # the fresh sessions' turns whose objectives and prefills set those caps
-# A returning turn is light when it prefills at most this many times the mean fresh turn's
-# new tokens.
-LIGHT_FACTOR = 1.5
+        shed, most = 1.0 - self.continuing, tuning.MAX_FACTOR
+        return objective_ms / shed if shed * most > 1.0 else objective_ms * most
 
 
 class Deadlines:
     """When a served turn's first token is due (its decision's `due_ms`): its TTFT objective,
     but at most `DUE_CAP_FACTOR` times the laxest objective among the last `FRESH_WINDOW`
     turns that began a session, and at most that laxest objective for a light returning turn
-    (its context cached where it prefills, it prefills little more than a fresh turn does).
+    (it prefills little more than a fresh turn does, `LIGHT_FACTOR`; tunings in
+    `policies.adaptive.tuning`).
 
     A worker with priority scheduling admits the turn due first. An objective that grows with
-    the prompt (the default allows 0.2 ms a token, cached ones too) makes a late turn of a
-    long session due many seconds after the fresh turns arriving beside it; admitted behind
-    every one of them, it waits through each burst and, near saturation, past its own
-    objective. Measured (2 x h200, p16384-g512-multi-turn-t4, seeds 0-2): uncapped, the
-    highest rate with 90% good fell below first come, first served on two seeds; capped, it
-    is at least as high on all three, and mixed-multi-turn keeps its gain.
-
-    A light returning turn costs a fresh one's work, but while it waits behind them the
-    contexts their prefills use push its own out of the worker's prefix cache (least recently
-    used first): once the sessions' contexts outgrow that cache, each wait turns it into a
-    whole prompt's prefill, which lengthens the queue the next ones wait in. Measured (2 x
-    h200, p4096-g512-multi-turn-t4, 20 s of arrivals at 3.364x, seeds 0-2 pooled): 90.7% good
-    capped at twice the fresh objective, 98.5% at once it (round-robin, first come first
-    served: 98.5%); mixed-multi-turn's heavy returning turns (16k new tokens against a mean
-    fresh prompt of 7k) keep their later due time and its goodput (98.0% and 98.1% at 0.6x)."""
+    the prompt makes a late turn of a long session due long after the fresh turns arriving
+    beside it: admitted behind all of them, it waits through each burst, past its own
+    objective near saturation. A light returning turn costs a fresh turn's work, but each
+    wait behind fresh ones lets their prefills push its context out of the worker's prefix
+    cache, which turns it into a whole prompt's prefill: due with them, it waits no longer."""
 
     __slots__ = ("_fresh", "_fresh_tokens")
 
     def __init__(self) -> None:
-        self._fresh: deque[float] = deque(maxlen=FRESH_WINDOW)
-        self._fresh_tokens: deque[int] = deque(maxlen=FRESH_WINDOW)
+        self._fresh: deque[float] = deque(maxlen=tuning.FRESH_WINDOW)
+        self._fresh_tokens: deque[int] = deque(maxlen=tuning.FRESH_WINDOW)
 
     def due_ms(self, objective_ms: float, fresh: bool, new_tokens: int) -> float:
         """The due time of a turn with this objective (`fresh`: it begins a session) that
@@ -99,9 +79,9 @@ class Deadlines:
         if not fresh_objectives:
             return objective_ms
         laxest = max(fresh_objectives)
-        cap = DUE_CAP_FACTOR * laxest
+        cap = tuning.DUE_CAP_FACTOR * laxest
         if not fresh:
             tokens = self._fresh_tokens
-            if new_tokens <= LIGHT_FACTOR * sum(tokens) / len(tokens):
+            if new_tokens <= tuning.LIGHT_FACTOR * sum(tokens) / len(tokens):
                 cap = laxest
         return objective_ms if objective_ms < cap else cap

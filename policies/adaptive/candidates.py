@@ -7,13 +7,10 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+from policies.adaptive import tuning
 from policies.adaptive.ledgers.cache import Fill
 from policies.costmodel.estimates import PrefillLeg
 from policies.types import Action
-
-RISK_FROM = 0.5
-TTFT_WEIGHT = 0.05
-WORK_WEIGHT = 16.0
 
 
 class PrefillTerms(NamedTuple):
@@ -119,13 +116,14 @@ class Candidate:
         self.exposure = exposure
         share = ttft / objective_ms if objective_ms > 0.0 else math.inf
         # min() and max() spelled out: a turn builds a candidate per placement it weighs.
-        risk = (share - RISK_FROM) / (1.0 - RISK_FROM)
+        risk_from = tuning.RISK_FROM
+        risk = (share - risk_from) / (1.0 - risk_from)
         self.risk = (risk if risk < 1.0 else 1.0) if risk > 0.0 else 0.0
         self.misses = harm + exposure + eviction + self.risk
         work = compute_ms / objective_ms if objective_ms > 0.0 else math.inf
-        pacing = share + WORK_WEIGHT * work + pace
+        pacing = share + tuning.WORK_WEIGHT * work + pace
         self.eviction = eviction
-        self.cost = self.misses + TTFT_WEIGHT * (1e9 if pacing > 1e9 else pacing)
+        self.cost = self.misses + tuning.TTFT_WEIGHT * (1e9 if pacing > 1e9 else pacing)
 
     @property
     def interference(self) -> float:

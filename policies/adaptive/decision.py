@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from policies.adaptive.candidates import TTFT_WEIGHT, Candidate
+from policies.adaptive import tuning
+from policies.adaptive.candidates import Candidate
 from policies.types import Colocate, Decision, Handoff, Migrate, Prediction, Recompute
 
 
@@ -27,12 +28,13 @@ def _separation(candidate: Candidate, reference: Candidate) -> tuple[float, floa
     """(I avoided, H + dQ + dC) of `candidate` against the colocated `reference`, in expected
     objective misses (policies.adaptive.scoring)."""
     avoided = reference.interference - candidate.interference
-    added = candidate.risk - reference.risk + TTFT_WEIGHT * (_share(candidate) - _share(reference))
+    pacing = _share(candidate) - _share(reference)
+    added = candidate.risk - reference.risk + tuning.TTFT_WEIGHT * pacing
     return avoided, added
 
 
 def _share(candidate: Candidate) -> float:
-    return (candidate.cost - candidate.misses) / TTFT_WEIGHT
+    return (candidate.cost - candidate.misses) / tuning.TTFT_WEIGHT
 
 
 def explain(

@@ -61,6 +61,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from policies.adaptive import tuning
 from policies.adaptive.admission import Admission, Deadlines
 from policies.adaptive.candidates import Candidate
 from policies.adaptive.decision import decision_of, explain, ms_text, predicted_terms
@@ -85,8 +86,6 @@ from policies.types import (
     WorkerView,
 )
 
-# Expected misses a placement must save against colocating on the resident worker.
-SEPARATION_MARGIN = 0.05
 _TIE_ORDER: dict[Action, int] = {"colocate": 0, "handoff": 1, "migrate": 2, "recompute": 3}
 
 
@@ -323,9 +322,10 @@ def _rank_key(
     gain is an estimate)."""
     objective = turn.objectives.ttft_ms
     harmful = (least_harm if reference is None else reference.harm) + 1.0
+    separation = tuning.SEPARATION_MARGIN
 
     def key(candidate: Candidate) -> tuple[bool, float, int, tuple[str, ...]]:
-        margin = 0.0 if reference is None or candidate is reference else SEPARATION_MARGIN
+        margin = 0.0 if reference is None or candidate is reference else separation
         return (
             candidate.ttft_ms > objective or candidate.exposure >= 1.0 or candidate.harm >= harmful,
             candidate.cost + margin,

@@ -1,6 +1,6 @@
 """What each placement of one turn would cost: the terms of I > H + dQ + dC (each a
-`policies.adaptive.candidates.Candidate`, which holds the constants named here; each worker's
-terms are computed in `policies.adaptive.terms`).
+`policies.adaptive.candidates.Candidate`; each worker's terms are computed in
+`policies.adaptive.terms`, the constants named here are in `policies.adaptive.tuning`).
 
 A turn counts toward goodput when its TTFT meets its objective and the p99 of its own gaps
 meets its ITL objective, so the terms are weighed in expected objective misses; the ms that
@@ -37,14 +37,13 @@ gaps of a g-token answer that may exceed the ITL objective while the p99 of its 
   counts. Where T is a slow step itself, the streams' slow steps are the prefills this policy
   placed (`StallLedger`), and a stream misses only once they pass the gaps it may have slow;
   what they spend of its budget is denied to the prefills to come (`stream_harm`):
-      harm    = R x (W x P(N <= b < N + s) + (1 - W) x s / B), W = `CROSSING_WEIGHT` (0.7),
+      harm    = R x (W x P(N <= b < N + s) + (1 - W) x s / B), W = `CROSSING_WEIGHT`,
                 N Poisson with mean = the slow steps placed on w per second x a mean
                 answer's life there (its gaps x the step at R + 1 streams), b = floor((g -
                 2) / 100) for g = the mean answer (more and the p99 of its gaps fails; a
                 fractional s interpolates)
-  (measured, 4 x h200: the share alone put nearly every p16384-g512-multi-turn-t4 prefill on
-  a few workers, whose queues then ran first tokens late; the crossings alone piled
-  p4096-g512-system-prefix prefills beside calm streams until they all crossed together).
+  (the share alone puts long prefills on a few workers, whose queues then run first tokens
+  late; the crossings alone pile prefills beside calm streams until they all cross together).
   This turn's objectives stand in for the streams' (the view has no other). C is the prefix
   the worker holds: the resident's cached tokens, the prompt of the session's last split
   turn on the worker that prefilled it, else S.
@@ -67,11 +66,11 @@ gaps of a g-token answer that may exceed the ITL objective while the p99 of its 
   on the fleet's decode-capable workers on average (where the sessions it evicts live is not
   known): (harm + `TTFT_WEIGHT` x (1 + `WORK_WEIGHT`) x compute / objective) / P.
 - TTFT risk: 0 up to `RISK_FROM` x the objective, rising linearly to 1 at the objective.
-- H(src, dst, bytes, start) = latency + bytes / available, available = max(1% of rate,
-  rate - max(0, bytes in flight + reserved bytes - rate x start) / horizon): what the ledger
-  holds drains at the link's rate until the transfer starts (when the prefill ends); rate =
-  the link's capacity (else its observed rate, else `default_link_bps`), capped by the rate
-  this policy has measured on it.
+- H(src, dst, bytes, start) = latency + bytes / available (`TurnTerms.transfer_ms`),
+  available = max(`LINK_FLOOR_FRACTION` x rate, rate - max(0, bytes in flight + reserved
+  bytes - rate x start) / horizon): what the ledger holds drains at the link's rate until the
+  transfer starts (when the prefill ends); rate = the link's capacity (else its observed
+  rate, else `default_link_bps`), capped by the rate this policy has measured on it.
 
 Candidates, each with ttft = queue + compute + own wait + H (decode-side terms included):
 - whole turn on w (colocate on the resident, else recompute there; colocate for a new
@@ -102,25 +101,29 @@ pace add.
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Mapping
 
-from policies.adaptive.candidates import TTFT_WEIGHT, WORK_WEIGHT, Candidate, PrefillTerms
+from policies.adaptive import tuning
+from policies.adaptive.candidates import Candidate, PrefillTerms
 from policies.adaptive.ledgers.cache import CacheLedger, Fill
+from policies.adaptive.ledgers.legs import LegLedger
 from policies.adaptive.ledgers.legs import StallLedger as StallLedger
 from policies.adaptive.ledgers.legs import slow_gap_budget as slow_gap_budget
 from policies.adaptive.ledgers.streams import StreamLedger
-from policies.adaptive.links import exposed_transfer_ms
+from policies.adaptive.ledgers.work import WorkLedger
 from policies.adaptive.terms import TurnTerms
 from policies.costmodel.estimates import Estimates, PrefillLeg
 from policies.eligibility import DECODE_ROLES, can_serve
-from policies.types import Action, ClusterView, Turn, WorkerView
+from policies.types import Action, ClusterView, LinkView, Turn, WorkerView
 
 Hold = tuple[float, PrefillTerms]  # a hold's ms, and the held prefill's terms
 
 
 class Scorer(TurnTerms):
     """Costs candidates for one turn against one view, from the terms they share
-    (`TurnTerms`: each worker's, computed once)."""
+    (`TurnTerms`: each worker's, computed once). Without a ledger, what it would hold counts
+    nothing; `max_seqs` 0: no sequence cap; `continuing`: the share of turns continuing a
+    session (`policies.adaptive.admission.Admission`)."""
 
     __slots__ = ("_cache", "_done", "_holds", "_max_hold_ms", "_refill", "_shares")
 
@@ -130,12 +133,33 @@ class Scorer(TurnTerms):
         view: ClusterView,
         estimates: Estimates,
         *,
+        links: Mapping[tuple[str, str], LinkView],
+        horizon_s: float,
+        default_bps: float,
+        stalls: StallLedger | None = None,
+        prefix: tuple[str, int] | None = None,
+        work: WorkLedger | None = None,
+        max_seqs: int = 0,
+        legs: LegLedger | None = None,
+        continuing: float = 1.0,
         done: StreamLedger | None = None,
         max_hold_s: float = 0.0,
         cache: CacheLedger | None = None,
-        **terms: Any,
     ) -> None:
-        super().__init__(turn, view, estimates, **terms)
+        super().__init__(
+            turn,
+            view,
+            estimates,
+            links=links,
+            horizon_s=horizon_s,
+            default_bps=default_bps,
+            stalls=stalls,
+            prefix=prefix,
+            work=work,
+            max_seqs=max_seqs,
+            legs=legs,
+            continuing=continuing,
+        )
         self._cache = cache
         self._refill: float | None = None
         self._shares: dict[str, float] = {}  # per worker, once per turn
@@ -233,15 +257,6 @@ class Scorer(TurnTerms):
             eviction=self.eviction(fills),
         )
 
-    def transfer_ms(self, src: str, dst: str, nbytes: int, start_ms: float = 0.0) -> float:
-        """Exposed time to move `nbytes` over src -> dst starting `start_ms` from now
-        (`exposed_transfer_ms`)."""
-        measured = self._estimates.link_bps(src, dst)
-        link = self._links.get((src, dst))
-        return exposed_transfer_ms(
-            link, measured, self._default_bps, self._horizon_s, nbytes, start_ms
-        )
-
     def eviction(self, fills: tuple[Fill, ...]) -> float:
         """Expected misses of the KV `fills` puts on its workers: the live contexts it evicts
         there (`CacheLedger.live_share` of it), each prefilled again when its session returns,
@@ -270,12 +285,13 @@ class Scorer(TurnTerms):
             prompt = self._prompt if self._prompt > 1 else 1
             objective = self._objective_ms
             total, count = 0.0, 0
+            weight = 1.0 + tuning.WORK_WEIGHT  # its TTFT (its compute) and its GPU time
             for worker in self._view.workers:
                 if not can_serve(worker, DECODE_ROLES):
                     continue
                 compute, _, _, _, slow = self._local_prefill(worker, prompt, 0)
-                work = (1.0 + WORK_WEIGHT) * compute / objective if objective > 0.0 else math.inf
-                total += self._harm(worker, slow) + TTFT_WEIGHT * work
+                work = weight * compute / objective if objective > 0.0 else math.inf
+                total += self._harm(worker, slow) + tuning.TTFT_WEIGHT * work
                 count += 1
             per_token = self._refill = total / count / prompt if count else 0.0
         return per_token
@@ -311,7 +327,7 @@ class Scorer(TurnTerms):
         # Only a prefill whose own slow steps spend a stream's whole budget (each stream
         # beside it misses, and only a hold spares them): to spare streams a part of theirs,
         # a hold would leave the worker's compute idle and the turn waiting for a calm busy
-        # workers never have (measured: Mooncake's attainment falls).
+        # workers never have.
         if ledger is None or not local.harm > 0.0 or local.slow_steps < self._stream_budget:
             return None
         wid = worker.worker_id

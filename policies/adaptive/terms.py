@@ -1,6 +1,6 @@
 """The terms of `policies.adaptive.scoring`'s formulas for one turn on each worker of one
 view: its queue there, its prefill there (compute, own wait, harm), its answer's exposure and
-pace, a link's transfer time.
+pace, a link's transfer time (H).
 
 The view, the estimates and the ledgers stay as they are while a turn is scored, so each
 worker's terms are computed once per turn and shared by every candidate placing there.
@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+from policies.adaptive import tuning
 from policies.adaptive.candidates import DecodeTerms, PrefillTerms
 from policies.adaptive.ledgers.legs import (
     LegLedger,
@@ -28,14 +29,12 @@ from policies.costmodel.estimates import Estimates, PrefillLeg
 from policies.eligibility import PREFILL_ROLES, can_serve
 from policies.types import ClusterView, LinkView, Turn, WorkerView
 
-UTILISATION_MAX = 0.9
-
 
 class TurnTerms:
     """The terms of one turn on the workers of one view, each worker's computed once.
 
     `links` indexes the view's links by (src, dst); `stalls` holds the workers' recent steps
-    past the ITL objective.
+    past the ITL objective. `policies.adaptive.scoring.Scorer` builds it, with the defaults.
     """
 
     __slots__ = (
@@ -86,12 +85,12 @@ class TurnTerms:
         links: Mapping[tuple[str, str], LinkView],
         horizon_s: float,
         default_bps: float,
-        stalls: StallLedger | None = None,
-        prefix: tuple[str, int] | None = None,
-        work: WorkLedger | None = None,
-        max_seqs: int = 0,
-        legs: LegLedger | None = None,
-        continuing: float = 1.0,
+        stalls: StallLedger | None,
+        prefix: tuple[str, int] | None,
+        work: WorkLedger | None,
+        max_seqs: int,
+        legs: LegLedger | None,
+        continuing: float,
     ) -> None:
         prompt = turn.prompt_tokens if turn.prompt_tokens > 0 else 0
         uncached = min(max(turn.uncached_tokens, 0), prompt)
@@ -183,6 +182,33 @@ class TurnTerms:
             )
         return known
 
+    def transfer_ms(self, src: str, dst: str, nbytes: int, start_ms: float = 0.0) -> float:
+        """H: the time to move `nbytes` over src -> dst starting `start_ms` from now, given
+        what the link's ledger holds: the bytes in flight and reserved drain at the link's
+        rate meanwhile (a handoff queued behind long prefills reserves its bytes long before
+        it sends them). The rate is the link's capacity (else its observed rate, else
+        `default_bps`), capped by the rate this policy measured on it, and a transfer gets at
+        least `LINK_FLOOR_FRACTION` of it; without the link in the view, the measured or
+        default rate alone."""
+        if nbytes <= 0:
+            return 0.0
+        measured = self._estimates.link_bps(src, dst)
+        link = self._links.get((src, dst))
+        if link is None:
+            return nbytes * 1000.0 / (measured if measured is not None else self._default_bps)
+        rate = link.capacity_bps if link.capacity_bps > 0.0 else link.observed_bps
+        rate = rate if rate > 0.0 else self._default_bps
+        if measured is not None and measured < rate:
+            rate = measured
+        sending = link.bytes_in_flight if link.bytes_in_flight > 0 else 0
+        reserved = link.reserved_bytes if link.reserved_bytes > 0 else 0
+        pending = sending + reserved - rate * start_ms / 1000.0
+        available = rate - pending / self._horizon_s if pending > 0.0 else rate
+        floor = rate * tuning.LINK_FLOOR_FRACTION
+        available = available if available > floor else floor
+        latency_s = link.latency_s if 0.0 < link.latency_s < math.inf else 0.0
+        return (latency_s + nbytes / available) * 1000.0
+
     def queue_ms(self, worker: WorkerView) -> float:
         wid = worker.worker_id
         wait = self._queues.get(wid)
@@ -250,7 +276,8 @@ class TurnTerms:
         budget more than one on the calmest other prefill-capable worker. Never where the
         workload's prefills are no slow steps (they harm nothing), where one slow gap fails
         an answer (a budget of 1: nearly every worker would pass the test), or with fewer
-        than two other prefill-capable workers (measured: on two workers it cost goodput)."""
+        than two other prefill-capable workers (on two, it would send every new session's
+        prefill to the one other worker)."""
         if self._stream_budget <= 1.0 or not self._estimates.typical_prefill_ms > self._itl_ms:
             return False
         calmest = self._calmest
@@ -379,7 +406,8 @@ class TurnTerms:
             # the time spent prefilling, a step of the streams lasts step / (1 - u) and
             # carries u of that in prefills.
             u = self._work.utilisation(wid, self._now_s, self._request_id)
-            u = u if u < UTILISATION_MAX else UTILISATION_MAX
+            most = tuning.UTILISATION_MAX
+            u = u if u < most else most
             coalesced = u * step / (1.0 - u)
             joined = coalesced if coalesced > joined else joined
         over = per_step + joined - (step if step > itl else itl)

@@ -3,9 +3,9 @@
 An engine keeps a finished request's KV cached until new KV needs its blocks, the least
 recently used first. Where a worker's cache turns over faster than its sessions come back,
 the blocks a placement fills there come out of contexts that sessions will come back for and
-prefill again (measured: 4 x h200 in a full fleet, each such turn-4 context prefilled again is
-a step past the ITL objective for the ~256 streams beside it). A turn moved off its resident
-worker fills its whole context on a second worker, where a colocated one fills its new tokens.
+prefill again (a long context's prefill again is a slow step for every stream beside it). A
+turn moved off its resident worker fills its whole context on a second worker, where a
+colocated one fills its new tokens.
 
 The cache a worker has for finished contexts is its free KV, (1 - kv_usage) x capacity
 (capacity: the GPU's memory at vLLM's default utilisation, less the weights); the placements
@@ -13,25 +13,18 @@ fill it at the rate this policy places KV there (prompt tokens not cached, answe
 over in free / rate seconds, so the context it evicts next is one its session left that long
 ago: live when the session continues (`continuing`) and has not come back yet, P(gap >
 turnover), the gaps between a session's turns taken as exponential about their learned mean.
-A gap lasts until the next turn's prefill begins, past its queue (measured: in a full fleet a
-queue of 1-2 s doubles the gap of 2 s the sessions think, and the evictions it implies).
+A gap lasts until the next turn's prefill begins, past its queue (in a full fleet the queue
+can be as long as the sessions' think time: the context must stay cached through it too).
 """
 
 from __future__ import annotations
 
 import math
 
-from policies.adaptive.ledgers.legs import (
-    MAX_TRACKED_WORKERS,
-    decayed_add,
-    decayed_rate,
-    forget_oldest,
-)
+from policies.adaptive import tuning
+from policies.adaptive.ledgers.legs import decayed_add, decayed_rate, forget_oldest
 from policies.costmodel.calibration import Average
 from policies.costmodel.priors import gpu_prior, model_prior
-
-# vLLM's default --gpu-memory-utilization: the share of a GPU's memory its engine takes.
-GPU_MEMORY_UTILIZATION = 0.9
 
 Fill = tuple[str, int]  # a worker, and the tokens of KV a placement fills there
 
@@ -40,7 +33,7 @@ def kv_capacity_tokens(gpu: str, model: str, tp: int) -> float:
     """Tokens of KV an engine of `model` on `tp` x `gpu` holds (a prior: the engine reserves
     activations too)."""
     g, m = gpu_prior(gpu), model_prior(model)
-    free = g.mem_bytes * tp * GPU_MEMORY_UTILIZATION - m.weight_bytes
+    free = g.mem_bytes * tp * tuning.GPU_MEMORY_UTILIZATION - m.weight_bytes
     return free / m.kv_bytes_per_token if free > 0.0 else 0.0
 
 
@@ -104,5 +97,5 @@ class CacheLedger:
     def _add(self, worker_id: str, tokens: float, at_s: float) -> None:
         known = self._filled.get(worker_id, (0.0, at_s))
         total, as_of = decayed_add(*known, at_s, tokens, self._window_s)
-        if worker_id in self._filled or len(self._filled) < MAX_TRACKED_WORKERS:
+        if worker_id in self._filled or len(self._filled) < tuning.MAX_TRACKED_WORKERS:
             self._filled[worker_id] = (total if total > 0.0 else 0.0, as_of)

@@ -19,28 +19,18 @@ from __future__ import annotations
 import math
 from typing import TypeVar
 
+from policies.adaptive import tuning
 from policies.costmodel.estimates import Estimates
 from policies.types import WorkerView
 
-KV_CROWDED_FROM = 0.8
-KV_FULL_MISSES = 2.0
-MAX_TRACKED_WORKERS = 4096
-MAX_TRACKED_REQUESTS = 65536
-# The ITL objective is on the p99 of a stream's gaps: 1% of them may be slow.
-SLOW_GAP_SHARE = 0.01
-# Of a slow step's harm to a stream beside it, the weight of the chance that it pushes the
-# stream past its allowed slow gaps now; the rest is the share of the stream's budget it
-# spends, which the prefills to come no longer have. Crossings alone let prefills pile onto
-# a worker whose streams look calm until they all cross at once (4 x h200
-# p4096-g512-system-prefix: 87.7% good at the edge, against 95.8% weighed 0.7 and 95.9% by
-# the share alone; p16384-g512-multi-turn-t4: 92.8%, 93.8%, 90.1%).
-CROSSING_WEIGHT = 0.7
 _Key = TypeVar("_Key")
 _Value = TypeVar("_Value")
 
 
-def forget_oldest(table: dict[_Key, _Value], limit: int = MAX_TRACKED_REQUESTS) -> None:
-    """Past `limit` entries, the oldest quarter goes (a dict keeps insertion order)."""
+def forget_oldest(table: dict[_Key, _Value]) -> None:
+    """Past `MAX_TRACKED_REQUESTS` entries, the oldest quarter goes (a dict keeps insertion
+    order)."""
+    limit = tuning.MAX_TRACKED_REQUESTS
     if len(table) > limit:
         for key in list(table)[: limit // 4]:
             del table[key]
@@ -48,13 +38,13 @@ def forget_oldest(table: dict[_Key, _Value], limit: int = MAX_TRACKED_REQUESTS) 
 
 def slow_gap_budget(tokens: float) -> float:
     """B(g): how many gaps of a `tokens`-token answer may exceed the ITL objective."""
-    return max(1.0, (tokens - 1.0) * SLOW_GAP_SHARE)
+    return max(1.0, (tokens - 1.0) * tuning.SLOW_GAP_SHARE)
 
 
 def slow_gaps_allowed(tokens: float) -> int:
     """How many of a `tokens`-token answer's gaps may exceed the ITL objective, by any
     margin, while the p99 of its gaps (interpolated) meets it: one more fills its upper rank."""
-    allowed = math.floor((tokens - 2.0) * SLOW_GAP_SHARE)
+    allowed = math.floor((tokens - 2.0) * tuning.SLOW_GAP_SHARE)
     return allowed if allowed > 0 else 0
 
 
@@ -70,8 +60,9 @@ def kv_crowding(worker: WorkerView, streams: float = 1.0) -> float:
     if running > 0:
         in_flight = max(running + max(worker.waiting, 0), worker.inflight)
         usage *= (in_flight + streams) / running
-    risk = (usage - KV_CROWDED_FROM) / (1.0 - KV_CROWDED_FROM)
-    return 0.0 if risk <= 0.0 else KV_FULL_MISSES * min(risk, 1.0)
+    crowded = tuning.KV_CROWDED_FROM
+    risk = (usage - crowded) / (1.0 - crowded)
+    return 0.0 if risk <= 0.0 else tuning.KV_FULL_MISSES * min(risk, 1.0)
 
 
 def slot_wait_ms(
@@ -124,13 +115,14 @@ class LegLedger:
             return
         legs = self._by_worker.get(worker)
         if legs is None:
-            if len(self._by_worker) >= MAX_TRACKED_WORKERS:
+            if len(self._by_worker) >= tuning.MAX_TRACKED_WORKERS:
                 return
             legs = self._by_worker[worker] = {}
         legs[request_id] = (sent_s, tokens)
         self._entries[request_id] = worker
-        if len(self._entries) > MAX_TRACKED_REQUESTS:
-            for key in list(self._entries)[: MAX_TRACKED_REQUESTS // 4]:
+        limit = tuning.MAX_TRACKED_REQUESTS
+        if len(self._entries) > limit:
+            for key in list(self._entries)[: limit // 4]:
                 self.finish(key)
 
     def finish(self, request_id: str) -> None:
@@ -211,7 +203,7 @@ class StallLedger:
     def _add(self, worker: str, at_s: float, steps: int) -> None:
         count, as_of = decayed_add(*self._counts.get(worker, (0.0, at_s)), at_s, steps,
                                     self.window_s)  # fmt: skip
-        if worker in self._counts or len(self._counts) < MAX_TRACKED_WORKERS:
+        if worker in self._counts or len(self._counts) < tuning.MAX_TRACKED_WORKERS:
             self._counts[worker] = (count if count > 0.0 else 0.0, as_of)
 
 
@@ -272,4 +264,5 @@ def stream_harm(own: float, allowed: int, added: float, budget: float) -> float:
     mean `own`: `CROSSING_WEIGHT` x `budget_crossings` + the rest x `added` / `budget` (B,
     `slow_gap_budget`: at least 1)."""
     crossings = budget_crossings(own, allowed, added)
-    return CROSSING_WEIGHT * crossings + (1.0 - CROSSING_WEIGHT) * added / budget
+    weight = tuning.CROSSING_WEIGHT
+    return weight * crossings + (1.0 - weight) * added / budget

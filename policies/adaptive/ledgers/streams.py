@@ -10,11 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from policies.adaptive.ledgers.legs import MAX_TRACKED_REQUESTS, MAX_TRACKED_WORKERS, StallLedger
-
-# A request predicted done this long ago whose outcome never came (lost, or a replica's
-# restart) no longer counts.
-STALE_AFTER_S = 60.0
+from policies.adaptive import tuning
+from policies.adaptive.ledgers.legs import StallLedger
 
 Leg = tuple[str, float]  # worker, when predicted done there (s)
 Held = tuple[float, float, int]  # a held prefill's release and end (s), its slow steps
@@ -44,20 +41,21 @@ class StreamLedger:
         self.finish(request_id)
         if held is not None and legs and held[2] > 0:
             worker = legs[0][0]
-            if worker in self._held or len(self._held) < MAX_TRACKED_WORKERS:
+            if worker in self._held or len(self._held) < tuning.MAX_TRACKED_WORKERS:
                 self._held.setdefault(worker, {})[request_id] = held
                 self._holding[request_id] = worker
         self._answers.place(request_id, legs[-1][0] if legs else None, at_s, 1)
         last = len(legs) - 1
         kept = []
         for i, (worker, end_s) in enumerate(legs):
-            if worker in self._ends or len(self._ends) < MAX_TRACKED_WORKERS:
+            if worker in self._ends or len(self._ends) < tuning.MAX_TRACKED_WORKERS:
                 self._ends.setdefault(worker, {})[request_id] = (end_s, i == last)
                 kept.append((worker, end_s))
         if kept:
             self._placed[request_id] = tuple(kept)
-        if len(self._placed) > MAX_TRACKED_REQUESTS:
-            for request in list(self._placed)[: MAX_TRACKED_REQUESTS // 4]:
+        limit = tuning.MAX_TRACKED_REQUESTS
+        if len(self._placed) > limit:
+            for request in list(self._placed)[: limit // 4]:
                 self.finish(request)
 
     def finish(self, request_id: str) -> None:
@@ -84,7 +82,7 @@ class StreamLedger:
         met = 0.0
         gone = []
         for request, (release_s, done_s, steps) in holds.items():
-            if done_s < start_s - STALE_AFTER_S:
+            if done_s < start_s - tuning.STALE_AFTER_S:
                 gone.append(request)
             elif request != exclude and release_s < end_s and done_s > start_s:
                 if done_s <= release_s:
@@ -110,7 +108,7 @@ class StreamLedger:
         if not ends:
             return 0, now_s
         count, last = 0, now_s
-        stale = now_s - STALE_AFTER_S
+        stale = now_s - tuning.STALE_AFTER_S
         gone = []
         for request, (end_s, answer) in ends.items():
             if end_s < stale:

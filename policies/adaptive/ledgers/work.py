@@ -7,17 +7,11 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator
 
-from policies.adaptive.ledgers.legs import (
-    MAX_TRACKED_REQUESTS,
-    MAX_TRACKED_WORKERS,
-    decayed_add,
-    decayed_rate,
-)
+from policies.adaptive import tuning
+from policies.adaptive.ledgers.legs import decayed_add, decayed_rate
 from policies.costmodel.calibration import queue_ahead
 from policies.types import WorkerView
 
-# Per worker, the placements `WorkLedger.settle` may find queued at a scrape.
-MAX_RECENT = 1024
 # request -> (worker, busy until before it, busy until after it, placed at, work s, weight,
 # due at)
 _WorkEntry = tuple[str, float, float, float, float, float, float]
@@ -78,13 +72,14 @@ class WorkLedger:
         before = self._busy.get(worker, at_s)
         work_s = work_ms / 1000.0
         after = (before if before > at_s else at_s) + work_s
-        if worker in self._busy or len(self._busy) < MAX_TRACKED_WORKERS:
+        if worker in self._busy or len(self._busy) < tuning.MAX_TRACKED_WORKERS:
             self._busy[worker] = after
             self._rate_add(worker, at_s, work_s)
             due = at_s if due_s is None else due_s
             self._enter(request_id, (worker, before, after, at_s, work_s, weight, due))
-        if len(self._entries) > MAX_TRACKED_REQUESTS:
-            for key in list(self._entries)[: MAX_TRACKED_REQUESTS // 4]:
+        limit = tuning.MAX_TRACKED_REQUESTS
+        if len(self._entries) > limit:
+            for key in list(self._entries)[: limit // 4]:
                 self._drop(key)
 
     def _enter(self, request_id: str, entry: _WorkEntry) -> None:
@@ -93,11 +88,12 @@ class WorkLedger:
         worker, at_s = entry[0], entry[3]
         recent = self._recent.get(worker)
         if recent is None:
-            recent = self._recent[worker] = deque(maxlen=MAX_RECENT)
+            # The placements `settle` may find queued at a scrape.
+            recent = self._recent[worker] = deque(maxlen=tuning.MAX_RECENT)
             self._held[worker] = {}
             self._current[worker] = 0
         held = self._held[worker]
-        if len(recent) == MAX_RECENT:
+        if len(recent) == recent.maxlen:
             oldest = recent[0]
             last = self._entries.get(oldest[1])
             if last is not None and last[0] == worker and last[3] == oldest[0]:

@@ -4,8 +4,8 @@ import msgspec
 import pytest
 
 from policies import ClusterView, Objectives, Outcome, Reject, Turn, WorkerView, create_policy
-from policies.adaptive.admission import FRESH_WINDOW, MAX_FACTOR, Admission, Deadlines
-from policies.adaptive.ledgers.legs import MAX_TRACKED_REQUESTS
+from policies.adaptive.admission import Admission, Deadlines
+from policies.adaptive.tuning import FRESH_WINDOW, MAX_FACTOR, MAX_TRACKED_REQUESTS
 
 
 def _staggered(sessions: int, turns: int, tag: str = "") -> list[tuple[str, str]]:

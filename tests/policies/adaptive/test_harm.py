@@ -8,9 +8,8 @@ import pytest
 
 from bench.results.summary import itl_stats
 from policies import ClusterView, Objectives, Turn
-from policies.adaptive.ledgers import legs as adaptive_ledgers
+from policies.adaptive import tuning
 from policies.adaptive.ledgers.legs import (
-    CROSSING_WEIGHT,
     StallLedger,
     budget_crossings,
     slow_gap_budget,
@@ -18,6 +17,7 @@ from policies.adaptive.ledgers.legs import (
     stream_harm,
 )
 from policies.adaptive.scoring import Scorer
+from policies.adaptive.tuning import CROSSING_WEIGHT
 from policies.costmodel.estimates import Estimates
 from policies.testing.views import w
 
@@ -110,7 +110,7 @@ def test_where_the_typical_prefill_is_slow_a_stream_pays_mostly_past_its_allowan
     # placed there, and a 256-token answer may have 2 of them.
     assert Estimates.from_presets().typical_prefill_ms > 40.0
     calm, some, more = _harm(40.0, 0), _harm(40.0, 1), _harm(40.0, 3)
-    monkeypatch.setattr(adaptive_ledgers, "CROSSING_WEIGHT", 0.0)
+    monkeypatch.setattr(tuning, "CROSSING_WEIGHT", 0.0)
     share = _harm(40.0, 0)  # what its slow steps spend of the 20 streams' budgets
     assert share > 0.0
     # No stream is near its allowance: only the share its slow steps spend is weighed.

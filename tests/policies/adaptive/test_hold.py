@@ -20,8 +20,9 @@ from policies import (
     Turn,
     create_policy,
 )
-from policies.adaptive.ledgers.streams import STALE_AFTER_S, StreamLedger
+from policies.adaptive.ledgers.streams import StreamLedger
 from policies.adaptive.scoring import Scorer
+from policies.adaptive.tuning import STALE_AFTER_S
 from policies.testing.views import w
 from policies.types import action_of, hold_of
 

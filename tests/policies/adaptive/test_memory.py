@@ -18,11 +18,12 @@ from policies import (
     Turn,
     create_policy,
 )
-from policies.adaptive.ledgers import work as adaptive_work
-from policies.adaptive.ledgers.legs import KV_CROWDED_FROM, KV_FULL_MISSES, kv_crowding
+from policies.adaptive import tuning
+from policies.adaptive.ledgers.legs import kv_crowding
 from policies.adaptive.ledgers.work import WorkLedger
 from policies.adaptive.policy import AdaptivePolicy
 from policies.adaptive.scoring import Scorer
+from policies.adaptive.tuning import KV_CROWDED_FROM, KV_FULL_MISSES
 from policies.costmodel.estimates import Estimates, PrefillLeg
 from policies.testing.views import KV, w
 
@@ -153,8 +154,8 @@ class _FullScan(WorkLedger):
 def test_settle_skips_only_stale_placements(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Placed again (at the same time too), finished, forgotten or fallen out of the recent
     ones: settle stops where a scan of them all finds nothing current any more."""
-    monkeypatch.setattr(adaptive_work, "MAX_RECENT", 8)
-    monkeypatch.setattr(adaptive_work, "MAX_TRACKED_REQUESTS", 24)
+    monkeypatch.setattr(tuning, "MAX_RECENT", 8)
+    monkeypatch.setattr(tuning, "MAX_TRACKED_REQUESTS", 24)
     rng = random.Random(seed)
     ledger, reference = WorkLedger(), _FullScan()
     workers = ("m1", "m2", "m3")
