@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TYPED := router policies sim bench experiments session_router_cli.py
 
-.PHONY: test lint typecheck unit e2e slow suite demo install native clean
+.PHONY: test lint typecheck unit e2e slow suite plugin-test demo install native clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,12 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 install: $(STAMP)
 
+PLUGIN_STAMP := $(VENV)/.plugin-installed
+
+$(PLUGIN_STAMP): $(STAMP) examples/policy-plugin/pyproject.toml
+	$(BIN)/python -m pip install -q -e './examples/policy-plugin[test]'
+	touch $(PLUGIN_STAMP)
+
 # the router's hot path compiled with mypyc (router/native.py), rebuilt when its sources change;
 # without a C compiler the router runs its Python sources, the same only slower
 native: $(STAMP)
@@ -24,10 +30,11 @@ native: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/ruff format --check $(TYPED) tests
+	$(BIN)/ruff format --check $(TYPED) tests examples
 
 typecheck: $(STAMP)
 	$(BIN)/mypy $(TYPED)
+	MYPYPATH=examples/policy-plugin $(BIN)/mypy examples/policy-plugin/example_policy
 
 # the suites by marker (tests/conftest.py says which test is which): unit runs in under a
 # minute; suite runs all of them
@@ -43,7 +50,11 @@ slow: native
 suite: native
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-test: lint typecheck suite
+# the example policy plugin, installed (its entry point) and tested with policies.testing
+plugin-test: $(PLUGIN_STAMP)
+	$(BIN)/python -m pytest -q examples/policy-plugin/tests
+
+test: lint typecheck suite plugin-test
 
 demo: $(STAMP)
 	$(BIN)/session-router demo

@@ -343,4 +343,3 @@ class TurnPipeline:
         tokens = usage.prompt_tokens + usage.completion_tokens
         nbytes = kv_bytes(tokens, self._config.kv_bytes_per_token)
         self._state.commit_session_nowait(ctx.session_id, ctx.served_by, tokens, nbytes, expected)
-

@@ -39,7 +39,10 @@ def _is_usage_frame(frame: bytes) -> bool:
 
 
 def _is_role_frame(frame: bytes) -> bool:
-    return b'"role":"assistant"' in frame and b'"content":""' in frame
+    """A role-only frame, in compact or spaced JSON (engines differ in spacing)."""
+    return (b'"role":"assistant"' in frame or b'"role": "assistant"' in frame) and (
+        b'"content":""' in frame or b'"content": ""' in frame
+    )
 
 
 @dataclass(slots=True)
@@ -119,7 +122,8 @@ class StreamRelay:
         # the end marker, an error, a usage frame (either spacing), a role frame, an empty frame
         return not (
             b"[DONE]" in data or b'{"error"' in data or b'"choices":[]' in data
-            or b'"choices": []' in data or b'"content":""' in data or b"\n\n\n" in data
+            or b'"choices": []' in data or b'"content":""' in data or b'"content": ""' in data
+            or b"\n\n\n" in data
             or data.startswith(b"\n")
         )  # fmt: skip
 

@@ -14,7 +14,7 @@ from policies import PolicyConfigError
 from policies.types import ClusterView, Colocate, Decision, Outcome, Recompute, Reject, Turn
 
 
-class Params(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class LeastWaitingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_waiting: int = 4
 
     def __post_init__(self) -> None:
@@ -23,17 +23,15 @@ class Params(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class LeastWaitingPolicy:
-    Params = Params
+    Params = LeastWaitingParams
     name = "least-waiting"
 
-    def __init__(self, params: Params | None = None) -> None:
-        self.params = params or Params()
+    def __init__(self, params: LeastWaitingParams | None = None) -> None:
+        self.params = params if params is not None else LeastWaitingParams()
         self.turns_seen = 0
 
     def decide(self, turn: Turn, view: ClusterView) -> Decision:
-        eligible = [
-            w for w in view.workers if w.accepts_new_work and w.role in ("decode", "mixed")
-        ]
+        eligible = [w for w in view.workers if w.accepts_new_work and w.role in ("decode", "mixed")]
         if not eligible:
             return Reject(retry_after_s=1.0, reason="no decode-capable worker")
         residency = view.residency

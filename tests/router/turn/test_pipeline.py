@@ -218,16 +218,7 @@ async def test_handoff_sends_a_prefill_leg_then_a_decode_leg_with_its_transfer_p
 
 @pytest.mark.parametrize(
     "spaced",
-    [
-        False,
-        pytest.param(True, marks=pytest.mark.xfail(
-            strict=True,
-            reason="product bug: router.turn.relay._is_role_frame matches only compact JSON "
-            '(\'"role":"assistant"\'), unlike the usage-frame check that takes either spacing: '
-            "a spaced role frame counts as the first content frame, so --first-token prefill "
-            "drops it and relays the decode leg's first token again (and TTFT stamps early)",
-        )),
-    ],
+    [False, True],
     ids=["compact-json", "spaced-json"],
 )  # fmt: skip
 async def test_first_token_from_the_prefill_leg_is_sent_once(stack: Stack, spaced: bool) -> None:
