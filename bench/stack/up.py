@@ -195,6 +195,12 @@ class LocalStack:
             router += [f"--{role}", url]
         self._router = _Child("router", router, spec.log_dir)
 
+    @property
+    def router_pid(self) -> int | None:
+        """The router process's id while it runs (for sampling its resources)."""
+        process = self._router.process
+        return process.pid if process is not None and process.returncode is None else None
+
     async def __aenter__(self) -> LocalStack:
         await self.start()
         return self
