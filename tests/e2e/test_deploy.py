@@ -147,12 +147,34 @@ async def test_every_dashboard_metric_is_exported_by_a_router_or_sim_worker(
 
 def test_dockerfile_runs_the_console_script_as_a_non_root_user_with_a_healthcheck() -> None:
     text = (ROOT / "Dockerfile").read_text()
-    assert re.search(r"^FROM python:3\.1[1-9]-slim", text, re.M)
-    assert re.search(r"^USER (?!root)\w+", text, re.M)
-    assert 'ENTRYPOINT ["session-router"]' in text
-    assert "HEALTHCHECK" in text and "/health" in text
-    for path in re.findall(r"^COPY (\S+)", text, re.M):
+    bases = re.findall(r"^FROM (\S+)", text, re.M)
+    # two stages on one pinned base: a build stage that compiles the hot path, a slim runtime
+    assert len(bases) == 2 and bases[0] == bases[1]
+    assert re.fullmatch(r"python:3\.1[1-9]\.\d+-slim-\w+", bases[0]), bases[0]
+    build, runtime = text.split("\nFROM ", 1)[1].split("\nFROM ", 1)
+    assert "native.build(" in build and "native status" in build and "gcc" in build
+    assert "COPY --from=build /install /usr/local" in runtime
+    assert "gcc" not in runtime and "mypy" not in runtime and "[bench]" not in text
+    assert re.search(r"^USER (?!root)\w+", runtime, re.M)
+    assert 'ENTRYPOINT ["session-router"]' in runtime
+    assert "HEALTHCHECK" in runtime and "/health" in runtime
+    for path in re.findall(r"^COPY (?!--from)(\S+)", text, re.M):
         assert (ROOT / path).exists(), path
+
+
+def test_compose_pins_its_images_and_needs_an_admin_token() -> None:
+    for name, service in COMPOSE["services"].items():
+        image = service.get("image", "")
+        if image and not image.startswith("session-router"):
+            assert ":" in image and not image.endswith(":latest"), (name, image)
+    token = COMPOSE["x-router"]["environment"]["SESSION_ROUTER_ADMIN_TOKEN"]
+    assert token.startswith("${SESSION_ROUTER_ADMIN_TOKEN:?"), token  # no default secret
+
+
+def test_the_license_is_the_apache_license_pyproject_names() -> None:
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert 'license = { text = "Apache-2.0" }' in (ROOT / "pyproject.toml").read_text()
 
 
 def test_example_plugin_installs_and_loads_through_its_entry_point(tmp_path: Path) -> None:
