@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from policies import PolicyConfigError, create_policy
+from policies import PolicyConfigError, available_policies, create_policy
 from router.errors import error_response
 from router.fleet.workers import WorkerPool
 from router.http import Request, Response
@@ -35,8 +35,13 @@ class Admin:
         state: SharedState,
         events: EventLog,
         policy: PolicyHolder,
+        allow_policy_import: bool = False,
     ) -> None:
         self._token = token
+        # PUT /admin/policy swaps to registered policies (built-ins, entry points) and to the
+        # one the router started with; `module:attr` of any other class only when allowed
+        self._allow_policy_import = allow_policy_import
+        self._started_policy = policy.name
         self._pool = pool
         self._state = state
         self._events = events
@@ -69,17 +74,25 @@ class Admin:
         return await handler(request, ident or "")
 
     async def _session(self, request: Request, session_id: str) -> Response:
-        record = self._state.cached_session(session_id)
+        """The session's residency and `degraded`: true while Redis is unreachable and the
+        answer is this replica's local view (503 where the view does not know the session)."""
+        state = self._state
+        record = state.cached_session(session_id)
+        if record is UNKNOWN and not state.degraded:
+            loaded = await state.load_session(session_id)  # UNKNOWN still if Redis just failed
+            record = state.cached_session(session_id) if loaded is None else loaded
         if record is UNKNOWN:
-            record = await self._state.load_session(session_id)
+            message = f"shared state unreachable; session {session_id!r} not in the local view"
+            return error_response(503, message, retry_after_s=1.0)
         if record is None:
             return error_response(404, f"no residency known for session {session_id!r}")
-        return _json(record)
+        return _json({**msgspec.structs.asdict(record), "degraded": state.degraded})
 
     async def _workers(self, request: Request, _: str) -> Response:
         fleet = self._state.fleet_inflight()
         rows = []
         for worker_id, state in self._pool.workers.items():
+            ejected_for = self._pool.ejected_for(worker_id)  # ends a finished ejection first
             rows.append({
                 "id": worker_id, "url": state.spec.url, "role": state.spec.role,
                 "engine": state.spec.engine, "healthy": state.healthy,
@@ -87,6 +100,8 @@ class Admin:
                 "fleet_inflight": fleet.get(worker_id, 0),
                 "started_since_scrape": state.started_since_scrape,
                 "load": state.load, "models": state.models,
+                "ejected": state.ejected, "ejected_for_s": ejected_for,
+                "ejections": state.ejections, "consecutive_failures": state.consecutive_failures,
             })  # fmt: skip
         return _json({"workers": rows})
 
@@ -118,9 +133,21 @@ class Admin:
     async def _put_policy(self, request: Request, _: str) -> Response:
         try:
             update = msgspec.json.decode(request.body, type=PolicyUpdate)
-            policy = create_policy(update.name, update.params)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
             return error_response(400, f"invalid policy update: {exc}")
+        if (
+            ":" in update.name
+            and not self._allow_policy_import
+            and update.name != self._started_policy
+        ):
+            registered = ", ".join(available_policies())
+            return error_response(
+                403, f"policy {update.name[:200]!r} is a module to import: the router swaps "
+                f"only to registered policies ({registered}) unless started with "
+                "--allow-policy-import", "name",
+            )  # fmt: skip
+        try:
+            policy = create_policy(update.name, update.params)
         except PolicyConfigError as exc:
             return error_response(400, str(exc), "params")
         # No await between the two stores: turns already placed keep the policy they used.

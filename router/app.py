@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
+import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -15,14 +17,15 @@ from router.admin import Admin
 from router.config import RouterConfig
 from router.errors import error_response
 from router.fleet.telemetry import Scraper, ScrapeTarget, WorkerLoad
-from router.fleet.workers import WorkerPool
+from router.fleet.workers import EjectionConfig, WorkerPool
 from router.http import Request, Response, StreamWriter
 from router.obs.events import EventLog, StageClock
 from router.obs.metrics import RouterMetrics
 from router.state.embedded_redis import EmbeddedRedis
+from router.state.health import describe_error
 from router.state.shared import SharedState, StateConfig, WorkerRecord
 from router.turn.execute import Executor
-from router.turn.legs import LegRunner
+from router.turn.legs import LegRunner, LegTimeouts, WorkerUnreachable
 from router.turn.pipeline import PolicyHolder, TurnPipeline
 
 log = logging.getLogger("router")
@@ -35,8 +38,12 @@ class Router:
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
+        # --api-key guards every endpoint but /health (and /admin, which has its own token)
+        self._api_key = None if config.api_key is None else config.api_key.encode()
         self.metrics = RouterMetrics()
-        self.pool = WorkerPool(config.workers)
+        self.pool = WorkerPool(
+            config.workers, EjectionConfig.of(config), self.metrics.worker_ejection
+        )
         self.metrics.bind_workers(self.pool.workers)
         policy_config = config.policy
         self.policy = PolicyHolder(
@@ -62,8 +69,15 @@ class Router:
         if url == "embedded":
             self._embedded = EmbeddedRedis()
             url = self._embedded.start()
+        state_config = StateConfig(
+            url=url,
+            prefix=config.redis_prefix,
+            session_ttl_s=config.session_ttl_s,
+            command_timeout_s=config.redis_timeout_s,
+            connect_timeout_s=config.redis_connect_timeout_s,
+        )
         self.state = SharedState(
-            StateConfig(url=url, prefix=config.redis_prefix, session_ttl_s=config.session_ttl_s),
+            state_config,
             on_roundtrip=self.metrics.redis_roundtrip,
             on_degraded=self._on_degraded,
         )
@@ -80,13 +94,15 @@ class Router:
         self.scraper.start()
         await self._refresh_models()
         self._tasks.append(asyncio.create_task(self._models_loop()))
-        legs = LegRunner(self.pool, self.state, self.clock, self._on_upstream_error)
+        legs = LegRunner(self.pool, self.state, self.clock, self._on_upstream_error,
+                         LegTimeouts.of(config))  # fmt: skip
         executor = Executor(config, legs, self.state, self.clock)
         self.pipeline = TurnPipeline(
             config, self.pool, self.state, self.policy, self.metrics, self.events, executor,
             self.clock, self._mark_failed,
         )  # fmt: skip
-        self.admin = Admin(config.admin_token, self.pool, self.state, self.events, self.policy)
+        self.admin = Admin(config.admin_token, self.pool, self.state, self.events, self.policy,
+                           allow_policy_import=config.allow_policy_import)  # fmt: skip
 
     async def stop(self) -> None:
         pipeline: TurnPipeline | None = getattr(self, "pipeline", None)  # set by start()
@@ -136,9 +152,18 @@ class Router:
                 )
             )  # fmt: skip
 
-    def _mark_failed(self, worker_id: str) -> None:
-        if self.scraper is not None:
-            self.scraper.mark_failed_now(worker_id)
+    def _mark_failed(self, worker_id: str, reason: str | None = None) -> None:
+        """The pipeline could not reach `worker_id`. It calls this while it handles the error,
+        so without a `reason` the error in hand gives one: its class and message (a timeout is
+        not a refused connection)."""
+        if self.scraper is None:
+            return
+        if reason is None:
+            error = sys.exc_info()[1]
+            if isinstance(error, WorkerUnreachable) and error.__cause__ is not None:
+                error = error.__cause__
+            reason = "unreachable" if error is None else describe_error(error)
+        self.scraper.mark_failed_now(worker_id, reason)
 
     def _on_upstream_error(self, worker_id: str, kind: str) -> None:
         self.metrics.upstream_error(worker_id, kind)
@@ -180,9 +205,21 @@ class Router:
 
         A turn is the pipeline's own coroutine (no wrapper to step through on every resume)."""
         path = request.path
+        if self._api_key is not None and path != "/health" and not path.startswith(Admin.PREFIX):
+            if not bearer_matches(request.headers.get("authorization"), self._api_key):
+                return _answer(error_response(
+                    401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+                    headers={"WWW-Authenticate": "Bearer"},
+                ))  # fmt: skip
         if request.method == "POST" and (
             path == "/v1/chat/completions" or path == "/v1/completions"
         ):
+            content_type = request.headers.get("content-type")
+            if content_type != "application/json" and not is_json_media_type(content_type):
+                return _answer(error_response(
+                    415, "Content-Type must be application/json (UTF-8), got "
+                    f"{(content_type or 'none')[:64]!r}", "Content-Type",
+                ))  # fmt: skip
             return self.pipeline.handle(request, writer, chat=path == "/v1/chat/completions")
         return self._handle_other(request)
 
@@ -206,14 +243,19 @@ class Router:
         return Response(200, _encode({"object": "list", "data": data}))
 
     async def _health(self) -> Response:
-        return Response(200, b'{"status":"ok"}')
+        degraded = self.state is not None and self.state.degraded
+        return Response(200, _encode({"status": "ok", "degraded": degraded}))
 
     async def _ready(self) -> Response:
+        """200 while turns can be served: some worker is healthy. Redis down is no reason to
+        take a replica out of rotation (every replica would go at once, while each serves
+        from its local view): `degraded` says so, as does the `router_degraded` gauge."""
         assert self.state is not None
-        redis_ok = await self.state.ping()
+        # while degraded the recovery task probes Redis; a probe here would only be slow
+        redis_ok = not self.state.degraded and await self.state.ping()
         healthy = self.pool.healthy_count()
         body = {"redis": redis_ok, "healthy_workers": healthy, "degraded": self.state.degraded}
-        return Response(200 if redis_ok and healthy > 0 else 503, _encode(body))
+        return Response(200 if healthy > 0 else 503, _encode(body))
 
     async def _metrics(self) -> Response:
         for worker_id, worker in self.pool.workers.items():
@@ -222,3 +264,35 @@ class Router:
             for (src, dst), link in self.state.link_views().items():
                 self.metrics.set_link(src, dst, link.handoff_bytes, link.migration_bytes)
         return Response(200, self.metrics.render(), content_type=self.metrics.content_type)
+
+
+async def _answer(response: Response) -> Response:
+    return response
+
+
+def bearer_matches(authorization: str | None, key: bytes) -> bool:
+    """Whether an Authorization header is `Bearer <key>` (the scheme in any case), compared in
+    constant time."""
+    if authorization is None:
+        return False
+    scheme, _, token = authorization.partition(" ")
+    given = token.strip().encode("latin-1", "replace")  # the header's own bytes
+    return hmac.compare_digest(given, key) and scheme.lower() == "bearer"
+
+
+def is_json_media_type(content_type: str | None) -> bool:
+    """`application/json`, in any case, with parameters (a charset only if it is UTF-8): a
+    browser's cross-site form post (urlencoded, multipart, text/plain) is not one."""
+    if content_type is None:
+        return False
+    media, _, parameters = content_type.partition(";")
+    if media.strip().lower() != "application/json":
+        return False
+    for parameter in parameters.split(";"):
+        name, _, value = parameter.partition("=")
+        if name.strip().lower() == "charset" and value.strip().strip('"').lower() not in (
+            "utf-8",
+            "utf8",
+        ):
+            return False
+    return True

@@ -21,7 +21,14 @@ async def serve(config: RouterConfig, announce: bool = True) -> None:
     router = Router(config)
     await router.start()
     gc.freeze()  # what start-up built lives as long as the process: keep it out of collections
-    server = HttpServer(router.handle, max_body_bytes=config.max_body_bytes)
+    server = HttpServer(
+        router.handle,
+        max_body_bytes=config.max_body_bytes,
+        keepalive_timeout_s=config.keepalive_timeout_s,
+        read_timeout_s=config.client_read_timeout_s,
+        max_connections=config.max_connections,
+        max_requests_per_connection=config.keepalive_requests,
+    )
     try:
         await server.start(config.host, config.port)
         if announce:

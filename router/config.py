@@ -72,11 +72,39 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     slo_ttft_ms: float | None = None  # default: 1000 ms + 0.2 ms per prompt token
     slo_itl_ms: float = 100.0
     connect_timeout_s: float = 2.0
-    request_timeout_s: float = 600.0
+    request_timeout_s: float = 600.0  # a whole (non-streamed) answer; caps first_byte too
     session_ttl_s: float = 3600.0
     kv_bytes_per_token: int = 131072  # llama-3.1-8b bf16; set for your model
     tokenizer: str | None = None  # a tokenizer.json for exact prompt token counts
     log_level: str = "info"
+    # Deadlines per leg (from its send): a stream's response head; its first body byte, by
+    # max(first_byte_timeout_s, first_byte_ttft_multiple x the turn's TTFT objective) (a
+    # prefill leg's whole answer too), capped by request_timeout_s; the gap between body reads.
+    head_timeout_s: float = 15.0
+    first_byte_timeout_s: float = 30.0
+    first_byte_ttft_multiple: float = 10.0
+    chunk_gap_timeout_s: float = 30.0
+    # Outlier ejection (Envoy's consecutive 5xx): this many 5xx answers or failed legs in a
+    # row (0: never) eject a worker for eject_base_s x times ejected (at most eject_max_s),
+    # never more than eject_max_percent of the fleet at once.
+    eject_consecutive_failures: int = 5
+    eject_base_s: float = 30.0
+    eject_max_s: float = 300.0
+    eject_max_percent: float = 50.0
+    # Client connections (router.http.server): a request's head and body must arrive within
+    # client_read_timeout_s of its first byte (else 408); past max_connections a new
+    # connection gets 503; keep-alive ends after keepalive_timeout_s idle or keepalive_requests.
+    client_read_timeout_s: float = 30.0
+    max_connections: int = 4096
+    keepalive_timeout_s: float = 75.0
+    keepalive_requests: int = 10_000
+    # Shared state: how long a Redis command, and a connection to Redis, may take before the
+    # router counts Redis unreachable and serves degraded from its local view.
+    redis_timeout_s: float = 2.0
+    redis_connect_timeout_s: float = 5.0
+    # PUT /admin/policy may name `module:attr` (an import of any installed module) only with
+    # this; without it, only registered policies and the one the router started with
+    allow_policy_import: bool = False
 
     def __post_init__(self) -> None:
         if not self.workers:
@@ -90,6 +118,29 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 raise ConfigError(f"worker URL must be http(s)://host:port, got {worker.url!r}")
         if self.max_body_bytes <= 0 or self.scrape_interval_ms <= 0:
             raise ConfigError("max_body_bytes and scrape_interval_ms must be positive")
+        timeouts = (
+            "connect_timeout_s",
+            "request_timeout_s",
+            "head_timeout_s",
+            "first_byte_timeout_s",
+            "chunk_gap_timeout_s",
+            "eject_base_s",
+            "eject_max_s",
+        )
+        for name in timeouts:
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be positive")
+        if self.first_byte_ttft_multiple < 0 or self.eject_consecutive_failures < 0:
+            raise ConfigError(
+                "first_byte_ttft_multiple and eject_consecutive_failures must not be negative"
+            )
+        if not 0 <= self.eject_max_percent <= 100:
+            raise ConfigError("eject_max_percent must be within 0..100")
+        limits = ("client_read_timeout_s", "max_connections", "keepalive_timeout_s",
+                  "keepalive_requests", "redis_timeout_s", "redis_connect_timeout_s")  # fmt: skip
+        for name in limits:
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be positive")
 
 
 # option name -> converter for values read from the environment or the command line
@@ -99,6 +150,12 @@ _SCALARS: Mapping[str, type] = {
     "scrape_interval_ms": int, "events": str, "slo_ttft_ms": float, "slo_itl_ms": float,
     "connect_timeout_s": float, "request_timeout_s": float, "session_ttl_s": float,
     "kv_bytes_per_token": int, "log_level": str, "tokenizer": str,
+    "head_timeout_s": float, "first_byte_timeout_s": float, "first_byte_ttft_multiple": float,
+    "chunk_gap_timeout_s": float, "eject_consecutive_failures": int, "eject_base_s": float,
+    "eject_max_s": float, "eject_max_percent": float,
+    "client_read_timeout_s": float, "max_connections": int, "keepalive_timeout_s": float,
+    "keepalive_requests": int, "redis_timeout_s": float, "redis_connect_timeout_s": float,
+    "allow_policy_import": bool,
 }  # fmt: skip
 
 
@@ -133,6 +190,56 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
     add("--tokenizer", metavar="FILE",
         help="tokenizer.json for exact prompt token counts (needs `tokenizers`)")  # fmt: skip
     add("--log-level", choices=["debug", "info", "warning", "error"])
+    add("--connect-timeout-s", type=float, help="connecting to a worker (default 2)")
+    add(
+        "--request-timeout-s",
+        type=float,
+        help="a non-streamed answer, whole; caps the first-byte deadline (default 600)",
+    )
+    add("--head-timeout-s", type=float, help="a stream's response head (default 15)")
+    add(
+        "--first-byte-timeout-s",
+        type=float,
+        help="least wait for a leg's first body byte (default 30)",
+    )
+    add(
+        "--first-byte-ttft-multiple",
+        type=float,
+        help="first-byte deadline as a multiple of the turn's TTFT objective (default 10)",
+    )
+    add("--chunk-gap-timeout-s", type=float, help="silence between body reads (default 30)")
+    add(
+        "--eject-consecutive-failures",
+        type=int,
+        help="5xx answers or failed legs in a row that eject a worker; 0: never (default 5)",
+    )
+    add(
+        "--eject-base-s",
+        type=float,
+        help="ejection time, times the number of ejections (default 30)",
+    )
+    add("--eject-max-s", type=float, help="longest ejection (default 300)")
+    add(
+        "--eject-max-percent",
+        type=float,
+        help="most of the fleet ejected at once, in percent (default 50)",
+    )
+    add("--client-read-timeout-s", type=float,
+        help="a request's head and body must arrive within this of its first byte, else 408 "
+             "(default 30)")  # fmt: skip
+    add("--max-connections", type=int,
+        help="client connections beyond this are answered 503 (default 4096)")  # fmt: skip
+    add("--keepalive-timeout-s", type=float,
+        help="close a client connection idle this long (default 75)")  # fmt: skip
+    add("--keepalive-requests", type=int,
+        help="close a client connection after this many requests (default 10000)")  # fmt: skip
+    add("--redis-timeout-s", type=float,
+        help="a Redis command taking longer means Redis is unreachable (default 2)")  # fmt: skip
+    add("--redis-connect-timeout-s", type=float,
+        help="connecting to Redis taking longer means it is unreachable (default 5)")  # fmt: skip
+    add("--allow-policy-import", action="store_true", default=None,
+        help="PUT /admin/policy may name module:attr, importing that module (default: only "
+             "registered policies and the one started with)")  # fmt: skip
 
 
 def _truthy(raw: str) -> bool:

@@ -379,7 +379,8 @@ def join_stage_events(
 ) -> tuple[list[RequestResult], int, FirstTokenConvention | None]:
     """Results with the router fields filled (see the module docstring), how many were
     joined, and the router's first-token convention (None when nothing joined)."""
-    by_id = {event.request_id: event for event in events}
+    # the replay's X-Request-Id comes back as the client's id (older routers: the turn's)
+    by_id = {event.client_request_id or event.request_id: event for event in events}
     joined: list[RequestResult] = []
     matched = 0
     convention: FirstTokenConvention | None = None

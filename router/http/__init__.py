@@ -11,6 +11,7 @@ from router.http.client import (
     UpstreamError,
     UpstreamPool,
     UpstreamResponse,
+    UpstreamTimeout,
 )
 from router.http.headers import Headers
 from router.http.messages import Request, Response
@@ -29,4 +30,5 @@ __all__ = [
     "UpstreamError",
     "UpstreamPool",
     "UpstreamResponse",
+    "UpstreamTimeout",
 ]

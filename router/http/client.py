@@ -5,6 +5,10 @@ response with httptools and buffers body bytes for the `UpstreamResponse` readin
 `_HIGH_WATER` buffered bytes it stops reading the socket, so a slow consumer slows the worker's
 socket instead of growing memory. A connection goes back to the pool only once its response
 body was read to the end; a response abandoned, failed or cancelled earlier closes it.
+
+A request may carry deadlines (head, first body byte, the gap between body reads): one timer
+per exchange watches them, re-armed only when it fires, and a missed one fails the exchange
+with `UpstreamTimeout` and closes the connection (the worker's request is cancelled with it).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import httptools
 from router.http.headers import Headers, is_bodiless, request_head, set_nodelay
 
 _HIGH_WATER = 64 * 1024  # buffered body bytes per response before the socket is paused
+_NEVER = float("inf")
 
 
 class UpstreamError(Exception):
@@ -32,6 +37,16 @@ class UpstreamConnectError(UpstreamError):
 
 class UpstreamBodyError(UpstreamError):
     """The connection failed after the response started."""
+
+
+class UpstreamTimeout(UpstreamError):
+    """The worker kept the caller waiting past a deadline; the connection was closed, which
+    cancels the worker's request. `stage`: "head" (status line and headers), "first_byte" (the
+    body's first bytes) or "gap" (the body's next bytes, while the caller waited for them)."""
+
+    def __init__(self, message: str, stage: str) -> None:
+        super().__init__(message)
+        self.stage = stage
 
 
 class _StaleConnection(Exception):
@@ -62,17 +77,30 @@ class _Upstream(asyncio.Protocol):
         self.buffered = 0
         self.error: UpstreamError | None = None
         self.waiter: asyncio.Future[None] | None = None
+        # the exchange's deadlines (loop time; `_NEVER`: none), watched by one timer at a time
+        self.head_s = self.first_byte_s = self.gap_s = self.tick_s = _NEVER
+        self.head_by = self.first_byte_by = _NEVER
+        self.got_body = False
+        self.wait_since = -1.0  # when the reader began waiting for body bytes; -1: not waiting
+        self.timer: asyncio.TimerHandle | None = None
 
-    async def exchange(self, payload: bytes, body: bytes, head_only: bool) -> UpstreamResponse:
-        """Send a request and wait for its status line and headers."""
+    async def exchange(
+        self, payload: bytes, body: bytes, head_only: bool, head_s: float | None = None,
+        first_byte_s: float | None = None, gap_s: float | None = None,
+    ) -> UpstreamResponse:  # fmt: skip
+        """Send a request and wait for its status line and headers (see `UpstreamPool.request`
+        for the deadlines)."""
         self.busy = True
         head = self.head = self.pool.loop.create_future()
         self.head_only = head_only
         self.got_bytes = self.informational = self.close_delimited = False
-        self.complete = self.keep_alive = False
+        self.complete = self.keep_alive = self.got_body = False
         self.error = None
         self.chunks = []
         self.buffered = 0
+        self.unwatch()
+        if head_s is not None or first_byte_s is not None or gap_s is not None:
+            self.watch(head_s, first_byte_s, gap_s)
         if body:
             self.transport.writelines((payload, body))  # one send; uvloop copies nothing
         else:
@@ -109,6 +137,51 @@ class _Upstream(asyncio.Protocol):
         if not self.closed:
             self.transport.abort()
 
+    # -- deadlines: one timer per exchange, re-armed only when it fires
+    def watch(self, head_s: float | None, first_byte_s: float | None, gap_s: float | None) -> None:
+        now = self.pool.loop.time()
+        self.head_s = _NEVER if head_s is None else head_s
+        self.first_byte_s = _NEVER if first_byte_s is None else first_byte_s
+        self.gap_s = _NEVER if gap_s is None else gap_s
+        self.head_by = now + self.head_s
+        self.first_byte_by = now + self.first_byte_s
+        self.tick_s = min(self.head_s, self.first_byte_s, self.gap_s)
+        self.wait_since = -1.0
+        if self.tick_s < _NEVER:
+            at = min(self.head_by, self.first_byte_by, now + self.tick_s)
+            self.timer = self.pool.loop.call_at(at, self._check)
+
+    def unwatch(self) -> None:
+        timer, self.timer = self.timer, None
+        if timer is not None:
+            timer.cancel()
+        self.head_s = self.first_byte_s = self.gap_s = self.tick_s = _NEVER
+
+    def _check(self) -> None:
+        """The timer: time the exchange out if its current stage is overdue, else re-arm."""
+        self.timer = None
+        if not self.busy or self.complete or self.closed:
+            return
+        loop = self.pool.loop
+        now = loop.time()
+        if self.head is not None and not self.head.done() and self.head_by < self.first_byte_by:
+            due, stage, limit = self.head_by, "head", self.head_s
+        elif not self.got_body:
+            due, stage, limit = self.first_byte_by, "first_byte", self.first_byte_s
+        elif self.wait_since >= 0.0:  # the gap counts only while the reader waits on the worker
+            due, stage, limit = self.wait_since + self.gap_s, "gap", self.gap_s
+        else:  # the reader is busy (a slow client, say): not the worker's delay
+            due, stage, limit = _NEVER, "gap", self.gap_s
+        if now >= due:
+            what = {"head": "response head", "first_byte": "first body byte"}.get(stage, "bytes")
+            error = UpstreamTimeout(f"upstream sent no {what} within {limit:g} s", stage)
+            self.fail(error)
+            self.abort()  # the worker sees its request cancelled
+            return
+        if due == _NEVER:  # nothing due in this stage: look again a deadline's length later
+            due = now + (self.gap_s if stage == "gap" and self.gap_s < _NEVER else self.tick_s)
+        self.timer = loop.call_at(due, self._check)
+
     # -- transport callbacks
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass of it
@@ -139,6 +212,8 @@ class _Upstream(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.pool.forget(self)
+        if self.timer is not None:
+            self.unwatch()
         if not self.busy or self.complete:
             return
         if self.close_delimited and exc is None and self.status:
@@ -148,7 +223,8 @@ class _Upstream(asyncio.Protocol):
             reason = f"upstream closed the connection before responding ({exc or 'EOF'})"
             self.fail(_StaleConnection(reason) if self.reused else UpstreamConnectError(reason))
         else:
-            self.fail(UpstreamBodyError(f"upstream connection lost mid-response: {exc}"))
+            how = "closed by the worker" if exc is None else str(exc)
+            self.fail(UpstreamBodyError(f"upstream connection lost mid-response ({how})"))
 
     # -- parser callbacks
     def on_message_begin(self) -> None:
@@ -179,6 +255,7 @@ class _Upstream(asyncio.Protocol):
             self.head.set_result(None)
 
     def on_body(self, body: bytes) -> None:
+        self.got_body = True
         self.chunks.append(body)
         self.buffered += len(body)
         if self.waiter is not None:
@@ -190,6 +267,8 @@ class _Upstream(asyncio.Protocol):
             return
         self.keep_alive = self.parser.should_keep_alive()
         self.complete = True
+        if self.timer is not None:
+            self.unwatch()
         self.wake()
 
 
@@ -252,12 +331,17 @@ class UpstreamResponse:
             if conn.complete:
                 self._release()
                 break
-            waiter = conn.waiter = conn.pool.loop.create_future()
+            loop = conn.pool.loop
+            waiter = conn.waiter = loop.create_future()
+            if conn.timer is not None:
+                conn.wait_since = loop.time()  # the gap deadline runs while this waits
             try:
                 await waiter
             except asyncio.CancelledError:
                 self.close()
                 raise
+            finally:
+                conn.wait_since = -1.0
         raise StopAsyncIteration
 
     def _release(self) -> None:
@@ -296,11 +380,17 @@ class UpstreamPool:
         return self._loop
 
     async def request(
-        self, base_url: str, method: str, path: str, headers: Mapping[str, str], body: bytes = b""
-    ) -> UpstreamResponse:
-        """Send one request and wait for its status line and headers; only connecting has a
-        timeout (the caller bounds the rest; cancelling closes the connection). A reused
-        connection found closed before any response byte is retried once on a fresh one."""
+        self, base_url: str, method: str, path: str, headers: Mapping[str, str],
+        body: bytes = b"", *, head_timeout_s: float | None = None,
+        first_byte_timeout_s: float | None = None, gap_timeout_s: float | None = None,
+    ) -> UpstreamResponse:  # fmt: skip
+        """Send one request and wait for its status line and headers. Connecting is bounded by
+        `connect_timeout_s`; from the send on, the response head must come within
+        `head_timeout_s`, the body's first bytes within `first_byte_timeout_s`, and once the
+        body began, a read waits at most `gap_timeout_s` for more (None: no such deadline).
+        A missed deadline fails the exchange with `UpstreamTimeout` and closes the connection,
+        as does cancelling. A reused connection found closed before any response byte is
+        retried once on a fresh one."""
         if self._closed:
             raise RuntimeError("UpstreamPool is closed")
         host, port, host_header = self._target(base_url)
@@ -309,11 +399,13 @@ class UpstreamPool:
         conn = self._acquire((host, port))
         if conn is not None:
             try:
-                return await conn.exchange(payload, body, head_only)
+                return await conn.exchange(payload, body, head_only, head_timeout_s,
+                                           first_byte_timeout_s, gap_timeout_s)  # fmt: skip
             except _StaleConnection:
                 pass  # a stale keep-alive connection is no worker failure: once more, fresh
         conn = await self._connect(host, port)
-        return await conn.exchange(payload, body, head_only)
+        return await conn.exchange(payload, body, head_only, head_timeout_s, first_byte_timeout_s,
+                                   gap_timeout_s)  # fmt: skip
 
     async def close(self) -> None:
         """Close every connection, idle or in use."""

@@ -134,6 +134,7 @@ class RequestReader:
         self._on_request = on_request
         self._on_expect_continue = on_expect_continue
         self.in_message = self.in_body = False  # where the parser is: in a request, its body
+        self.begun = 0  # requests begun so far: tells the server a new one started in a read
         self._head_bytes = self._head_size = self._body_size = 0
         self._target = b""
         self._raw_headers: list[tuple[bytes, bytes]] = []
@@ -165,6 +166,7 @@ class RequestReader:
 
     def on_message_begin(self) -> None:
         self.in_message = True
+        self.begun += 1
         self._head_size = 0
         self._target = b""
         self._raw_headers = []
@@ -294,7 +296,7 @@ def is_bodiless(status: int) -> bool:
     return status < 200 or status in _BODILESS_STATUSES
 
 
-_ERROR_TYPES = {500: "internal_error"}
+_ERROR_TYPES = {500: "internal_error", 503: "service_unavailable"}
 _encode = msgspec.json.Encoder().encode
 
 

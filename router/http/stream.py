@@ -60,7 +60,7 @@ class StreamWriter:
         conn = self._conn
         if conn.closed:
             raise ConnectionResetError("client disconnected")
-        self.keep_alive &= not conn.shutting_down
+        self.keep_alive &= not conn.shutting_down and not conn.last_answer
         tail = (CHUNKED if self.chunked else b"") + (b"" if self.keep_alive else CLOSE)
         self._held = wire.response_head(status, headers, None, tail)
         self.started = True

@@ -94,6 +94,9 @@ class StageEvents(msgspec.Struct):
     worker_waiting_at_start: int = 0
     first_token_convention: FirstTokenConvention = "decode"
     realised: Prediction | None = None
+    # the client's X-Request-Id, where it sent one: echoed to it, never sent to a worker or
+    # a policy (`request_id` is the router's own)
+    client_request_id: str | None = None
 
     def record_decision(self, policy: str, decision: Decision, plan: Plan, at: float) -> None:
         """The decision stage, as the live router and the simulator both record it."""

@@ -147,6 +147,15 @@ class RouterMetrics:
             ["worker", "kind"],
             registry=reg,
         )
+        self.worker_ejections_total = Counter(
+            "router_worker_ejections_total",
+            "Outlier ejections of a worker (failed requests in a row), by worker.",
+            ["worker"],
+            registry=reg,
+        )
+        self.workers_ejected = Gauge(
+            "router_workers_ejected", "Workers ejected as outliers now.", registry=reg
+        )
 
         CellsCollector([
             self.requests_total, self.decisions_total, self.decision_seconds,
@@ -162,6 +171,7 @@ class RouterMetrics:
         self._retries: dict[str, Counter] = {}
         self._upstream_errors: dict[tuple[str, str], Counter] = {}
         self._workers: dict[str, tuple[Gauge, Gauge, Gauge, Gauge]] = {}
+        self._ejections: dict[str, Counter] = {}
         self._links: dict[tuple[str, str], tuple[Gauge, Gauge]] = {}
 
     def _worker_gauge(self, name: str, documentation: str) -> Gauge:
@@ -172,6 +182,7 @@ class RouterMetrics:
         for worker_id in worker_ids:
             self._worker_children(worker_id)
             self.inflight.set((worker_id,), 0.0)
+            self._ejection_child(worker_id)
 
     # --- request path -------------------------------------------------------------------
 
@@ -251,6 +262,18 @@ class RouterMetrics:
             running.set(load.running)
             waiting.set(load.waiting)
             kv_usage.set(load.kv_usage)
+
+    def worker_ejection(self, worker_id: str, ejected: bool, ejected_now: int) -> None:
+        """Matches the worker pool's on_ejection: a worker ejected (counted) or back."""
+        if ejected:
+            self._ejection_child(worker_id).inc()
+        self.workers_ejected.set(ejected_now)
+
+    def _ejection_child(self, worker_id: str) -> Counter:
+        child = self._ejections.get(worker_id)
+        if child is None:
+            child = self._ejections[worker_id] = self.worker_ejections_total.labels(worker_id)
+        return child
 
     def set_link(self, src: str, dst: str, reserved_bytes: int, inflight_bytes: int) -> None:
         children = self._links.get((src, dst))

@@ -124,12 +124,12 @@ class BatchWriter:
 
     async def _send(self, commands: list[Command]) -> list[Any]:
         """One pipeline: its replies, error replies in place."""
-        timeout = self._config.command_timeout_s
         if self._lean is not None:
             conn = self._conn
             if conn is None or conn.closed:
-                conn = self._conn = await RespConnection.open(self._lean, timeout)
-            return await conn.execute(commands, timeout)
+                connect_s = self._config.connect_timeout_s
+                conn = self._conn = await RespConnection.open(self._lean, connect_s)
+            return await conn.execute(commands, self._config.command_timeout_s)
         pipe = self._client.pipeline(transaction=False)
         for command in commands:
             pipe.execute_command(*command)

@@ -43,8 +43,7 @@ class Health:
             return False
         self.degraded = True
         self._up.clear()
-        reason = str(error) or type(error).__name__
-        log.warning("Redis unreachable, serving from the local view: %s", reason)
+        log.warning("Redis unreachable, serving from the local view: %s", describe_error(error))
         self._notify(True)
         return True
 
@@ -53,7 +52,7 @@ class Health:
             return
         self.degraded = False
         self._up.set()
-        log.info("Redis reachable again: pending writes flushed, view resynchronised")
+        log.info("Redis reachable again: view written back, pending writes flushed")
         self._notify(False)
 
     async def wait_up(self) -> None:
@@ -66,6 +65,22 @@ class Health:
             self._on_degraded(degraded)
         except Exception:
             log.exception("on_degraded callback failed")
+
+
+def describe_error(error: BaseException) -> str:
+    """`Class: message`, with the root cause's class where another error caused it (a
+    timeout's message alone is often empty, a refused connection's says nothing of a timeout)."""
+    root = error
+    for _ in range(8):  # a chain, not a cycle
+        if root.__cause__ is None:
+            break
+        root = root.__cause__
+    text = _one(error)
+    return text if root is error else f"{text} (from {_one(root)})"
+
+
+def _one(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
 
 
 def backoff_delays() -> Callable[[], float]:

@@ -52,7 +52,10 @@ class StateConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     reservation_lease_s: float = 30.0
     ewma_alpha: float = 0.3
     link_ttl_s: float = 3600.0
-    command_timeout_s: float = 1.0
+    # past these a command, or a connection (and its login), counts Redis unreachable: 1 s
+    # fired falsely on CPU-starved machines, where a loop turn alone can take that long
+    command_timeout_s: float = 2.0
+    connect_timeout_s: float = 5.0
     session_cache_size: int = 100_000
     max_pending_writes: int = 100_000
 
@@ -64,6 +67,7 @@ class StateConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             "reservation_lease_s": self.reservation_lease_s,
             "link_ttl_s": self.link_ttl_s,
             "command_timeout_s": self.command_timeout_s,
+            "connect_timeout_s": self.connect_timeout_s,
             "session_cache_size": self.session_cache_size,
             "max_pending_writes": self.max_pending_writes,
         }

@@ -95,6 +95,43 @@ end
 return cmsgpack.pack(out)
 """
 
+# After an outage, a replica writes back the sessions its local view holds (Redis may have come
+# back empty). ARGV: session key prefix, ttl ms, channel, replica, then a msgpack array of
+# [session id, epoch, owner, tokens, bytes, turns, last_seen]. Each is set only where Redis
+# holds no record of the session or an older epoch (never over a newer write, whichever replica
+# writes back first), expiring `ttl` after its last_seen, and published like a commit. Reply: a
+# msgpack array of [applied, owner, tokens, bytes, turns, epoch, last_seen], the stored record
+# after each.
+SESSION_RESTORE_BATCH = """
+local prefix, ttl, channel, replica = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
+local entries = cmsgpack.unpack(ARGV[5])
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local out, changed = {}, {}
+for i = 1, #entries do
+  local e = entries[i]
+  local sid, epoch, owner, tokens, nbytes, turns, seen = e[1], e[2], e[3], e[4], e[5], e[6], e[7]
+  local key = prefix .. sid
+  local cur = redis.call('HMGET', key, 'owner', 'tokens', 'bytes', 'turns', 'epoch', 'last_seen')
+  local stored = tonumber(cur[5])
+  local left = ttl - (now_ms - math.floor(tonumber(seen) * 1000))
+  if (stored and stored >= epoch) or left <= 0 then
+    out[i] = {0, cur[1] or '', tonumber(cur[2]) or 0, tonumber(cur[3]) or 0,
+              tonumber(cur[4]) or 0, stored or 0, cur[6] or '0'}
+  else
+    redis.call('HSET', key, 'owner', owner, 'tokens', tokens, 'bytes', nbytes, 'turns', turns,
+               'epoch', epoch, 'last_seen', seen, 'write_id', '')
+    redis.call('PEXPIRE', key, math.min(ttl, left))
+    changed[#changed + 1] = {sid, epoch, owner, tokens, nbytes, turns, tonumber(seen)}
+    out[i] = {1, owner, tokens, nbytes, turns, epoch, seen}
+  end
+end
+if #changed > 0 then
+  redis.call('PUBLISH', channel, cmsgpack.pack({replica, changed}))
+end
+return cmsgpack.pack(out)
+"""
+
 # KEYS: worker hash, workers index. ARGV: worker id, record blob, scraped_at, ttl ms.
 # An older scrape never overwrites a newer one written by another replica.
 WORKER_PUT = """
@@ -230,6 +267,7 @@ return {now, workers, inflight, links}
 
 _SOURCES = {
     "session_cas_batch": SESSION_CAS_BATCH,
+    "session_restore_batch": SESSION_RESTORE_BATCH,
     "worker_put": WORKER_PUT,
     "link_capacity": LINK_CAPACITY,
     "link_reserve": LINK_RESERVE,
@@ -246,6 +284,7 @@ class Scripts:
         sha = {name: hashlib.sha1(src.encode()).hexdigest() for name, src in self.sources.items()}
         self.shas = list(sha.values())
         self.session_cas_batch = sha["session_cas_batch"]
+        self.session_restore_batch = sha["session_restore_batch"]
         self.worker_put = sha["worker_put"]
         self.link_capacity = sha["link_capacity"]
         self.link_reserve = sha["link_reserve"]

@@ -4,8 +4,10 @@ One Redis client (no client-side retries: an unreachable Redis is reported at on
 handled here) serves the refresh task and the request path's round trips; the writer and the
 subscriber each have a lean connection of their own (`router.state.redis_wire`) where the URL
 allows, else they use the client too. On any unreachable error the state goes degraded and
-`_recover` reconnects with backoff, resubscribes, forgets the sessions whose invalidations may have
-been missed, flushes the pending writes and refreshes, before it declares Redis back.
+`_recover` reconnects with backoff, resubscribes, writes back the sessions its local view holds
+(Redis may have come back empty; a session is set only where Redis holds nothing or an older
+epoch, and the view takes whatever Redis holds), flushes the pending writes and refreshes,
+before it declares Redis back.
 """
 
 from __future__ import annotations
@@ -17,26 +19,30 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+import msgspec
 from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError
 
-from router.state.batcher import BatchWriter
-from router.state.codec import invalidation_decoder, snapshot_from_refresh
+from router.state.batcher import SESSIONS_PER_CALL, BatchWriter
+from router.state.codec import invalidation_decoder, session_from_cas, snapshot_from_refresh
 from router.state.health import UNREACHABLE, Health, backoff_delays
 from router.state.keys import Keys
 from router.state.records import StateConfig
 from router.state.redis_url import close_redis, open_redis
 from router.state.redis_wire import RespConnection, lean_target
 from router.state.scripts import Scripts
-from router.state.view import FleetView, SessionView
+from router.state.view import FleetView, SessionEntry, SessionView
 from router.state.write_queue import WriteQueue
 
 log = logging.getLogger("router.state.shared")
 
 CLOSE_FLUSH_S = 2.0  # how long close() waits for pending writes to reach Redis
+WRITE_BACK_CALLS = 16  # session restore calls per pipeline when writing the view back
+_encode_restore = msgspec.msgpack.Encoder().encode
+_decode_stored = msgspec.msgpack.Decoder(list[tuple[int, str, int, int, int, int, str]]).decode
 
 
 class StateSync:
@@ -58,11 +64,10 @@ class StateSync:
         self._queue = queue
         self._health = health
         self._on_roundtrip = on_roundtrip
-        timeout = config.command_timeout_s
         self.client: Redis = open_redis(
             config.url,
-            socket_timeout=timeout,
-            socket_connect_timeout=timeout,
+            socket_timeout=config.command_timeout_s,
+            socket_connect_timeout=config.connect_timeout_s,
             retry=Retry(NoBackoff(), 0),
         )
         self._lean = lean_target(config.url)
@@ -177,12 +182,12 @@ class StateSync:
         await self._close_pubsub()
         if self._lean is not None:
             started = time.perf_counter()
-            timeout = self._config.command_timeout_s
-            subscriber = await RespConnection.open(self._lean, timeout)
+            subscriber = await RespConnection.open(self._lean, self._config.connect_timeout_s)
             self._subscriber = subscriber
             await subscriber.subscribe(
-                self._keys.channel, self._on_invalidation, self.fail, timeout
-            )
+                self._keys.channel, self._on_invalidation, self.fail,
+                self._config.command_timeout_s,
+            )  # fmt: skip
             self.roundtrip("ping", started)
             return
         pubsub = self.client.pubsub()
@@ -256,8 +261,8 @@ class StateSync:
             failures = self._health.failures
             try:
                 await self._connect()
-                # invalidations may have been missed: keep only what we are about to write
-                self._sessions.forget_except(self._queue.session_ids())
+                # Redis may have lost what the view holds, or the view missed invalidations
+                await self.write_back()
                 await self.writer.flush_all()
                 await self.refresh_once()
             except UNREACHABLE:
@@ -268,6 +273,40 @@ class StateSync:
             if self._health.failures == failures:
                 self._health.recovered()
                 return
+
+    async def write_back(self) -> int:
+        """Write the view's sessions back to Redis (compare-and-set on the epoch, see
+        `SESSION_RESTORE_BATCH`) and take into the view what Redis holds after; returns how
+        many Redis took. Pending writes go after it: their expected epochs are these."""
+        entries = self._sessions.write_back_entries(self._queue.session_ids())
+        keys, config = self._keys, self._config
+        ttl_ms = int(config.session_ttl_s * 1000)
+        per_pipeline = SESSIONS_PER_CALL * WRITE_BACK_CALLS
+        applied = 0
+        for first in range(0, len(entries), per_pipeline):
+            part = entries[first : first + per_pipeline]
+            step = SESSIONS_PER_CALL
+            calls = [part[i : i + step] for i in range(0, len(part), step)]
+            pipe = self.client.pipeline(transaction=False)
+            for call in calls:
+                rows = _encode_restore([_restore_row(sid, entry) for sid, entry in call])
+                pipe.evalsha(
+                    self._scripts.session_restore_batch, 0, keys.session_prefix, ttl_ms,
+                    keys.channel, config.replica_id, rows,
+                )  # fmt: skip
+            started = time.perf_counter()
+            replies = await pipe.execute()
+            self.roundtrip("batch", started)
+            for call, reply in zip(calls, replies, strict=True):
+                for (session_id, entry), stored in zip(call, _decode_stored(reply), strict=True):
+                    ok, epoch, record = session_from_cas(session_id, stored)
+                    applied += ok
+                    # Redis is the truth: it replaces the entry written, unless a newer
+                    # (optimistic) one has come since
+                    self._sessions.apply(session_id, epoch, record, replaces=entry)
+        if entries:
+            log.info("wrote back %d of %d sessions from the local view", applied, len(entries))
+        return applied
 
     def _spawn(self, name: str, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro, name=f"shared-state-{name}")
@@ -281,6 +320,13 @@ class StateSync:
         while task is not None and not task.done():
             task.cancel()
             await asyncio.wait({task}, timeout=0.1)
+
+
+def _restore_row(session_id: str, entry: SessionEntry) -> tuple[Any, ...]:
+    record = entry.record
+    assert record is not None  # write_back_entries gives only entries with a residency
+    return (session_id, entry.epoch, record.worker_id, record.tokens, record.bytes,
+            record.turns, repr(record.last_seen))  # fmt: skip
 
 
 def _report_death(task: asyncio.Task[None]) -> None:

@@ -128,6 +128,30 @@ class SessionView:
         for session_id in [sid for sid in self._entries if sid not in keep]:
             del self._entries[session_id]
 
+    def write_back_entries(self, pending: Collection[str]) -> list[tuple[str, SessionEntry]]:
+        """After an outage, what to write back: each session's confirmed entry with a
+        residency (under an optimistic entry, the one it covers), oldest first.
+
+        Sessions the view knows only as "no residency" are forgotten, unless a write for them
+        is pending (their turns are not known, and Redis may hold a newer epoch): the next turn
+        reads Redis. Expired entries go too.
+        """
+        now = time.monotonic()
+        out: list[tuple[str, SessionEntry]] = []
+        forget: list[str] = []
+        for session_id, entry in self._entries.items():
+            if now - entry.stamp > self._ttl_s:
+                forget.append(session_id)
+                continue
+            confirmed = entry.previous if entry.optimistic else entry
+            if confirmed is not None and confirmed.record is not None:
+                out.append((session_id, confirmed))
+            elif session_id not in pending:
+                forget.append(session_id)
+        for session_id in forget:
+            del self._entries[session_id]
+        return out
+
     def _store(self, session_id: str, entry: SessionEntry) -> None:
         self._entries[session_id] = entry
         self._entries.move_to_end(session_id)

@@ -12,10 +12,10 @@ from policies.types import Decision, Reject, hold_of
 from router.config import RouterConfig
 from router.engines import adapters
 from router.errors import RouterError
-from router.http import Response, UpstreamConnectError, UpstreamError
+from router.http import Response, UpstreamConnectError, UpstreamError, UpstreamTimeout
 from router.obs.events import StageClock
 from router.state.shared import Reservation, SharedState
-from router.turn.legs import LegRunner, TurnContext, WorkerUnreachable
+from router.turn.legs import LegRunner, TurnContext, WorkerUnreachable, failure_kind
 from router.turn.relay import answer_usage
 
 log = logging.getLogger("router.turn.execute")
@@ -123,27 +123,30 @@ class Executor:
         return response
 
     async def _prefill_leg(self, ctx: TurnContext, prefill: str) -> tuple[int, bytes]:
-        """(status, body) of the prefill leg; a 5xx or broken answer reads as (502, b"")."""
+        """(status, body) of the prefill leg; a 5xx or broken answer reads as (502, b""). A
+        refused connection or a missed deadline (its answer is due by the turn's first-byte
+        deadline) raises as `LegRunner.unanswered` says: the turn goes elsewhere, or fails."""
+        legs = self._legs
         payload = adapters.encode_body(adapters.vllm_prefill_leg(ctx.body()))
-        with self._legs.inflight(prefill):
+        with legs.inflight(prefill):
             try:
-                upstream = await self._legs.send(ctx, prefill, payload)
-            except UpstreamConnectError as exc:
-                raise WorkerUnreachable(prefill, str(exc)) from exc
-            except UpstreamError:
-                self._legs.on_upstream_error(prefill, "prefill_leg")
+                upstream = await legs.send(ctx, prefill, payload, first_token_leg=True)
+                try:
+                    raw = await upstream.read()
+                except BaseException:
+                    upstream.close()
+                    raise
+            except UpstreamError as exc:
+                connect = isinstance(exc, UpstreamConnectError)
+                legs.on_upstream_error(prefill, failure_kind(exc, "connect" if connect
+                                                             else "prefill_leg"))  # fmt: skip
+                if connect or isinstance(exc, UpstreamTimeout):
+                    raise legs.unanswered(ctx, prefill, exc) from exc
                 return 502, b""
-            try:
-                raw = await upstream.read()
-            except UpstreamError:
-                self._legs.on_upstream_error(prefill, "prefill_leg")
-                return 502, b""
-            except BaseException:
-                upstream.close()
-                raise
         if upstream.status >= 500:
-            self._legs.on_upstream_error(prefill, f"http_{upstream.status}")
+            legs.on_upstream_error(prefill, f"http_{upstream.status}")
             return 502, b""
+        legs.succeeded(prefill)
         return upstream.status, raw
 
     def _finish_transfer(self, ctx: TurnContext, transfer: _Transfer) -> None:
@@ -176,11 +179,10 @@ class Executor:
         self, ctx: TurnContext, failed: str, drop_first: bool
     ) -> Response | None:
         """The decode leg failed after the prefill succeeded: prefill locally on another
-        decode-capable worker (counted as recomputed)."""
-        self._legs.on_upstream_error(failed, "connect")
+        decode-capable worker (counted as recomputed). The relay reported the failure."""
         candidates = [
             worker_id for worker_id, state in self._pool.workers.items()
-            if worker_id != failed and state.healthy and not state.draining
+            if worker_id != failed and state.healthy and not state.ejected and not state.draining
             and state.spec.role in ("decode", "mixed")
         ]  # fmt: skip
         if not candidates:
@@ -221,13 +223,18 @@ class Executor:
         return response
 
     async def _drain(self, worker_id: str, ctx: TurnContext, payload: bytes) -> None:
-        with self._legs.inflight(worker_id):
+        legs = self._legs
+        with legs.inflight(worker_id):
             try:
-                upstream = await self._legs.send(ctx, worker_id, payload)
+                upstream = await legs.send(ctx, worker_id, payload, first_token_leg=True)
                 usage = answer_usage(await upstream.read())
-            except UpstreamError:
-                self._legs.on_upstream_error(worker_id, "prefill_leg")
+            except UpstreamError as exc:
+                legs.on_upstream_error(worker_id, failure_kind(exc, "prefill_leg"))
                 return
+        if upstream.status >= 500:
+            legs.on_upstream_error(worker_id, f"http_{upstream.status}")
+            return
+        legs.succeeded(worker_id)
         if usage is not None and upstream.status == 200:
             ctx.events.prefill_cached_tokens = usage.reported_cached_tokens
 

@@ -3,20 +3,36 @@
 `LegRunner.relay` raises `WorkerUnreachable` only while nothing has reached the client yet, so
 the caller can retry the turn elsewhere; every later failure ends the client's stream with an
 error event and `data: [DONE]`.
+
+Every wait on a worker has a deadline (`LegTimeouts`): connecting, a stream's response head,
+its first body byte (from the turn's TTFT objective), a whole answer, the gap between body
+reads. A stream's client response starts with the worker's first bytes, so a leg that misses
+a deadline before them is retried once elsewhere; after that, a 504. Each leg's outcome goes
+to the worker pool's outlier ejection: a 5xx, a missed deadline or a broken connection counts
+as a failure, any other answer as a success.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from policies.types import ClusterView, Turn
+from router.config import RouterConfig
 from router.engines import adapters
-from router.errors import RouterError, stream_error_frames
+from router.errors import RouterError, error_response, stream_error_frames
 from router.fleet.workers import WorkerPool
-from router.http import Response, StreamWriter, UpstreamError, UpstreamResponse
+from router.http import (
+    Response,
+    StreamWriter,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamResponse,
+    UpstreamTimeout,
+)
 from router.obs.events import StageClock, StageEvents
 from router.state.shared import SessionRecord
 from router.turn.fields import RoutingFields
@@ -103,6 +119,35 @@ class TurnContext:
         return {"X-Request-Id": self.request_id, "X-Session-Id": self.session_id}
 
 
+class LegTimeouts:
+    """How long a leg may keep its turn waiting, in seconds from its send (connecting is the
+    upstream pool's `connect_timeout_s`): the `RouterConfig` options of the same meaning."""
+
+    __slots__ = ("first_byte_floor_s", "first_byte_ttft_multiple", "gap_s", "head_s", "whole_s")
+
+    def __init__(
+        self, head_s: float = 15.0, first_byte_floor_s: float = 30.0,
+        first_byte_ttft_multiple: float = 10.0, gap_s: float = 30.0, whole_s: float = 600.0,
+    ) -> None:  # fmt: skip
+        self.head_s = head_s  # a stream's response head
+        self.first_byte_floor_s = first_byte_floor_s
+        self.first_byte_ttft_multiple = first_byte_ttft_multiple
+        self.gap_s = gap_s  # between body reads, once the body began
+        self.whole_s = whole_s  # a whole (non-streamed) answer
+
+    @classmethod
+    def of(cls, config: RouterConfig) -> LegTimeouts:
+        return cls(config.head_timeout_s, config.first_byte_timeout_s,
+                   config.first_byte_ttft_multiple, config.chunk_gap_timeout_s,
+                   config.request_timeout_s)  # fmt: skip
+
+    def first_byte_s(self, ttft_ms: float) -> float:
+        """When a leg's first body byte is due, for a turn with this TTFT objective: a multiple
+        of it, at least the floor, at most a whole answer's deadline."""
+        due = max(self.first_byte_floor_s, self.first_byte_ttft_multiple * ttft_ms / 1000.0)
+        return min(due, self.whole_s)
+
+
 class LegRunner:
     """Sends legs over the pooled upstream connections and relays their answers."""
 
@@ -112,21 +157,65 @@ class LegRunner:
         state: InflightLedger,
         clock: StageClock,
         on_upstream_error: Callable[[str, str], None],
+        timeouts: LegTimeouts | None = None,
     ) -> None:
         self.pool = pool
         self._state = state
         self._clock = clock
-        self.on_upstream_error = on_upstream_error
+        self._report_error = on_upstream_error
+        self.timeouts = timeouts if timeouts is not None else LegTimeouts()
 
-    def send(self, ctx: TurnContext, worker_id: str, payload: bytes) -> Awaitable[UpstreamResponse]:
-        """Send a leg; awaited, the worker's status line (connection errors propagate)."""
+    def on_upstream_error(self, worker_id: str, kind: str) -> None:
+        """A leg the worker failed (`kind` says how): reported, and counted towards its
+        ejection. Once per failed leg."""
+        self.pool.record_failure(worker_id)
+        self._report_error(worker_id, kind)
+
+    def succeeded(self, worker_id: str) -> None:
+        """A leg the worker answered (below 500): its run of failures ends."""
+        self.pool.record_success(worker_id)
+
+    def send(
+        self, ctx: TurnContext, worker_id: str, payload: bytes, first_token_leg: bool = False
+    ) -> Awaitable[UpstreamResponse]:
+        """Send a leg; awaited, the worker's status line (connection errors and missed
+        deadlines propagate). A stream's head is due within `head_s` and its first bytes by
+        the turn's first-byte deadline; a whole answer by `whole_s`, unless the leg ends at its
+        first token (`first_token_leg`: a prefill leg), which is due by the first-byte
+        deadline; once its body began, a read waits at most `gap_s`."""
         if ctx.engine_priority is not None:
             spec = self.pool.workers[worker_id].spec
             if spec.priority_scheduling:
                 payload = adapters.with_priority(payload, ctx.engine_priority, spec.engine)
+        timeouts = self.timeouts
+        if first_token_leg or ctx.fields.stream:
+            first = timeouts.first_byte_s(ctx.turn.objectives.ttft_ms)
+            head = first if first_token_leg else min(timeouts.head_s, first)
+        else:
+            first = head = timeouts.whole_s
         return self.pool.upstream.request(
-            self.pool.url(worker_id), "POST", ctx.path, ctx.headers, payload
-        )
+            self.pool.url(worker_id), "POST", ctx.path, ctx.headers, payload,
+            head_timeout_s=head, first_byte_timeout_s=first, gap_timeout_s=timeouts.gap_s,
+        )  # fmt: skip
+
+    def unanswered(self, ctx: TurnContext, worker_id: str, exc: UpstreamError) -> Exception:
+        """What to raise for a leg that failed before any of its bytes reached the client:
+        `WorkerUnreachable` (the pipeline decides once more, elsewhere) for a refused
+        connection, and for a missed deadline on a turn not yet retried that has another
+        worker to go to; else the client's error, 504 for a missed deadline, 502 otherwise."""
+        timed_out = isinstance(exc, UpstreamTimeout)
+        if not ctx.writer.started and (
+            isinstance(exc, UpstreamConnectError)
+            or (timed_out and not ctx.events.retried and self._elsewhere(worker_id))
+        ):
+            return WorkerUnreachable(worker_id, str(exc))
+        return RouterError(504 if timed_out else 502, f"worker {worker_id} failed: {exc}")
+
+    def _elsewhere(self, worker_id: str) -> bool:
+        """Whether some worker besides this one is healthy and not ejected."""
+        state = self.pool.workers.get(worker_id)
+        own = 1 if state is not None and state.healthy and not state.ejected else 0
+        return self.pool.healthy_count() > own
 
     async def relay(
         self,
@@ -146,10 +235,11 @@ class LegRunner:
             try:
                 upstream = await self.send(ctx, worker_id, payload)
             except UpstreamError as exc:
+                self.on_upstream_error(worker_id, failure_kind(exc, "connect"))
                 if ctx.writer.started:
-                    await self.fail_stream(ctx, worker_id, str(exc))
+                    await self.fail_stream(ctx, worker_id, str(exc), _status(exc))
                     return None
-                raise WorkerUnreachable(worker_id, str(exc)) from exc
+                raise self.unanswered(ctx, worker_id, exc) from exc
             try:
                 if upstream.status != 200:
                     return await self._forward_error(ctx, worker_id, upstream)
@@ -158,18 +248,26 @@ class LegRunner:
                     seconds = float(upstream.headers.get("x-kv-transfer-ms", "0")) / 1000
                     ctx.reported_transfer = (int(moved), seconds)
                 if ctx.fields.stream:
-                    await self._relay_stream(
-                        ctx, worker_id, upstream, drop_first, _both(inflight.begin, on_first_token)
-                    )
+                    first = b""
+                    if not ctx.writer.started:
+                        # the client's stream starts with the worker's first bytes: until then
+                        # a failed leg can go elsewhere
+                        first = await _first_read(upstream)
+                    await self._relay_stream(ctx, worker_id, upstream, first, drop_first,
+                                             _both(inflight.begin, on_first_token))  # fmt: skip
                     return None
                 body = await upstream.read()
             except UpstreamError as exc:
-                # the worker broke off a non-streamed answer: nothing reached the client yet
-                self.on_upstream_error(worker_id, "body")
-                raise RouterError(502, f"worker {worker_id} failed: {exc}") from exc
+                # the worker broke off or kept back its answer: none of it reached the client
+                self.on_upstream_error(worker_id, failure_kind(exc, "body"))
+                if ctx.writer.started:
+                    await self.fail_stream(ctx, worker_id, str(exc), _status(exc))
+                    return None
+                raise self.unanswered(ctx, worker_id, exc) from exc
             except BaseException:
                 upstream.close()  # a client that went away cancels the worker's request
                 raise
+        self.succeeded(worker_id)
         ctx.keep_reply(body)
         now = self._clock.now()
         ctx.events.first_token = ctx.events.first_token or now
@@ -177,19 +275,22 @@ class LegRunner:
         return Response(200, body, ctx.echo())
 
     async def _relay_stream(
-        self, ctx: TurnContext, worker_id: str, upstream: UpstreamResponse, drop_first: bool,
-        on_first_token: Callable[[], None] | None,
+        self, ctx: TurnContext, worker_id: str, upstream: UpstreamResponse, first: bytes,
+        drop_first: bool, on_first_token: Callable[[], None] | None,
     ) -> None:  # fmt: skip
         writer = await self.prepare(ctx)
         relay = StreamRelay(writer, forward_usage=ctx.fields.wants_usage,
                             drop_first_content=drop_first,
                             on_first_content=on_first_token)  # fmt: skip
-        result = await relay.run(upstream)
+        result = await relay.run(upstream, first)
         self._stamp(ctx, result)
         if result.error is not None:
             ctx.failed_midstream = True
             ctx.events.error = result.error
-            self.on_upstream_error(worker_id, "midstream")
+            stage = result.timed_out
+            self.on_upstream_error(worker_id, "midstream" if stage is None else f"timeout_{stage}")
+        else:
+            self.succeeded(worker_id)
         await writer.end()
 
     def _stamp(self, ctx: TurnContext, result: RelayResult) -> None:
@@ -212,22 +313,60 @@ class LegRunner:
         body = await upstream.read()
         if upstream.status >= 500:
             self.on_upstream_error(worker_id, f"http_{upstream.status}")
+        else:
+            self.succeeded(worker_id)  # the worker is fine: the request was refused
         ctx.events.error = f"worker answered {upstream.status}"
         if ctx.writer.started:
             await self.fail_stream(ctx, worker_id, f"worker answered {upstream.status}")
             return None
+        if not _is_openai_error(body):
+            # a worker's (or its proxy's) plain-text or HTML error page: the client still gets
+            # an OpenAI-shaped error, with the worker's status
+            snippet = body[:200].decode("utf-8", "replace").strip()
+            message = f"worker {worker_id} answered {upstream.status}: {snippet}"
+            return error_response(upstream.status, message, headers=ctx.echo())
         content_type = upstream.headers.get("content-type", "application/json")
         return Response(upstream.status, body, ctx.echo(), content_type)
 
-    async def fail_stream(self, ctx: TurnContext, worker_id: str, reason: str) -> None:
+    async def fail_stream(
+        self, ctx: TurnContext, worker_id: str, reason: str, status: int = 502
+    ) -> None:
+        """End the client's started stream with an error event (the failure was reported)."""
         ctx.failed_midstream = True
         ctx.events.error = reason
-        self.on_upstream_error(worker_id, "midstream")
-        await ctx.writer.write(stream_error_frames(502, f"worker {worker_id} failed: {reason}"))
+        await ctx.writer.write(stream_error_frames(status, f"worker {worker_id} failed: {reason}"))
         await ctx.writer.end()
 
     def inflight(self, worker_id: str) -> _Inflight:
         return _Inflight(self.pool, self._state, worker_id)
+
+
+def _is_openai_error(body: bytes) -> bool:
+    """Whether a worker's error body is OpenAI's `{"error": {"message": ...}}` already."""
+    try:
+        parsed = json.loads(body)
+    except (ValueError, RecursionError):
+        return False
+    error = parsed.get("error") if isinstance(parsed, dict) else None
+    return isinstance(error, dict) and isinstance(error.get("message"), str)
+
+
+def failure_kind(exc: UpstreamError, otherwise: str) -> str:
+    """The `router_upstream_errors_total` kind of a failed leg."""
+    return f"timeout_{exc.stage}" if isinstance(exc, UpstreamTimeout) else otherwise
+
+
+def _status(exc: UpstreamError) -> int:
+    """The status a client's error event gives for a failed leg."""
+    return 504 if isinstance(exc, UpstreamTimeout) else 502
+
+
+async def _first_read(upstream: UpstreamResponse) -> bytes:
+    """The body's first bytes (b"" for an empty body)."""
+    try:
+        return await upstream.__anext__()
+    except StopAsyncIteration:
+        return b""
 
 
 def _both(first: Callable[[], None], then: Callable[[], None] | None) -> Callable[[], None]:

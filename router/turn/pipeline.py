@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -32,7 +33,13 @@ from router.obs.events import EventLog, StageClock, StageEvents
 from router.obs.metrics import RouterMetrics
 from router.state.shared import UNKNOWN, SessionRecord, SharedState
 from router.turn.execute import Executor
-from router.turn.fields import TokenEstimator, decode_routing_fields, session_identity, text_size
+from router.turn.fields import (
+    TokenEstimator,
+    checked_header_id,
+    decode_routing_fields,
+    session_identity,
+    text_size,
+)
 from router.turn.legs import TurnContext, WorkerUnreachable
 from router.turn.tokenizer_file import LocalTokenizer
 
@@ -42,6 +49,8 @@ log = logging.getLogger("router.turn.pipeline")
 # later turn waits on its worker, so it never sits between a client and its answer; with no
 # later turn it runs this long after the last one finished.
 SETTLE_AFTER_S = 0.002
+# X-SLO-TTFT-Ms / X-SLO-ITL-Ms: a finite, positive number of milliseconds up to an hour
+MAX_OBJECTIVE_MS = 3_600_000.0
 
 
 class PolicyHolder:
@@ -86,12 +95,19 @@ class TurnPipeline:
     async def handle(self, request: Request, writer: StreamWriter, chat: bool) -> Response | None:
         """One turn; returns the reply, or None when it was streamed through `writer`."""
         admitted = self._clock.now()
-        request_id = request.headers.get("x-request-id") or self._new_request_id()
+        # The router's own id names the turn to workers (X-Request-Id on every leg, so the
+        # id a handoff pairs its legs by) and to the policy; a client's X-Request-Id is only
+        # echoed back to it and kept in the stage events.
+        request_id = echo_id = self._new_request_id()
         events = StageEvents(request_id=request_id, session_id="", admitted=admitted,
                              first_token_convention=self._config.first_token)  # fmt: skip
         ctx: TurnContext | None = None
         try:
-            ctx = await self._admit(request, writer, chat, request_id, events)
+            client_id = request.headers.get("x-request-id")
+            if client_id is not None:
+                echo_id = checked_header_id(client_id, "X-Request-Id")
+                events.client_request_id = echo_id
+            ctx = await self._admit(request, writer, chat, request_id, echo_id, events)
             response = await self._place_and_run(ctx)
             status = 200 if response is None else response.status
             events.http_status = status
@@ -110,7 +126,7 @@ class TurnPipeline:
                     await writer.write(stream_error_frames(exc.status, exc.message))
                     await writer.end()
                 return None
-            return exc.response({"X-Request-Id": request_id})
+            return exc.response({"X-Request-Id": echo_id})
         except (asyncio.CancelledError, ConnectionResetError):
             events.outcome = "cancelled"
             self._metrics.client_disconnect()
@@ -136,24 +152,27 @@ class TurnPipeline:
         writer: StreamWriter,
         chat: bool,
         request_id: str,
+        echo_id: str,
         events: StageEvents,
     ) -> TurnContext:
-        self._check_api_key(request)
+        """The turn, validated: `request_id` is the router's id for it, `echo_id` the one the
+        client gets back (its own X-Request-Id where it sent one)."""
         raw = request.body  # the server already refused bodies over --max-body-bytes (413)
         fields = decode_routing_fields(raw, chat)
         models = self._pool.model_names()
         if fields.model is not None and models and fields.model not in models:
-            raise RouterError(404, f"The model `{fields.model}` does not exist.", "model")
+            raise RouterError(404, f"The model `{fields.model[:256]}` does not exist.", "model")
         session_id = session_identity(request.headers.get("x-session-id"), fields)
         events.session_id = session_id
-        record = self._state.cached_session(session_id)
-        if record is UNKNOWN:
-            record = await self._state.load_session(session_id)
         chars, id_count = text_size(fields)
         exact = self._tokenizer.count(fields) if self._tokenizer is not None else id_count
         messages = len(fields.messages or ())
         prompt_tokens = self.tokens.estimate(chars, exact, messages)
         events.estimated_prompt_tokens = prompt_tokens
+        objectives = self._objectives(request, prompt_tokens)
+        record = self._state.cached_session(session_id)
+        if record is UNKNOWN:
+            record = await self._state.load_session(session_id)
         uncached = prompt_tokens
         if record is not None:
             uncached = max(1, prompt_tokens - record.tokens)
@@ -164,7 +183,7 @@ class TurnPipeline:
             prompt_tokens=prompt_tokens,
             uncached_tokens=uncached,
             max_tokens=cap if cap is not None else 256,
-            objectives=self._objectives(request, prompt_tokens),
+            objectives=objectives,
             arrival_s=time.monotonic(),
         )
         headers = {"X-Request-Id": request_id, "Content-Type": "application/json"}
@@ -172,31 +191,17 @@ class TurnPipeline:
         if self._config.forward_auth and authorization is not None:
             headers["Authorization"] = authorization
         return TurnContext(writer=writer, chat=chat, raw=raw, fields=fields,
-                           session_id=session_id, request_id=request_id, turn=turn,
+                           session_id=session_id, request_id=echo_id, turn=turn,
                            record=record, events=events, headers=headers,
                            prompt_chars=chars if id_count is None else 0)  # fmt: skip
-
-    def _check_api_key(self, request: Request) -> None:
-        if self._config.api_key is None:
-            return
-        if request.headers.get("authorization") != f"Bearer {self._config.api_key}":
-            raise RouterError(401, "Incorrect API key provided.")
 
     def _objectives(self, request: Request, prompt_tokens: int) -> Objectives:
         ttft = self._config.slo_ttft_ms
         if ttft is None:
             ttft = 1000.0 + 0.2 * prompt_tokens
-        itl = self._config.slo_itl_ms
         headers = request.headers
-        try:
-            if (value := headers.get("x-slo-ttft-ms")) is not None:
-                ttft = float(value)
-            if (value := headers.get("x-slo-itl-ms")) is not None:
-                itl = float(value)
-        except ValueError as exc:
-            raise RouterError(400, f"objective headers must be numbers: {exc}") from exc
-        if ttft <= 0 or itl <= 0:
-            raise RouterError(400, "objective headers must be positive")
+        ttft = objective_ms(headers.get("x-slo-ttft-ms"), "X-SLO-TTFT-Ms", ttft)
+        itl = objective_ms(headers.get("x-slo-itl-ms"), "X-SLO-ITL-Ms", self._config.slo_itl_ms)
         return Objectives(ttft_ms=ttft, itl_ms=itl)
 
     def view(self, record: SessionRecord | None) -> ClusterView:
@@ -218,7 +223,7 @@ class TurnPipeline:
         try:
             decision = holder.policy.decide(ctx.turn, view)
         except Exception as exc:
-            log.exception("policy %s failed on request %s", holder.name, ctx.request_id)
+            log.exception("policy %s failed on request %s", holder.name, ctx.turn.request_id)
             raise RouterError(500, f"placement policy {holder.name!r} failed: {exc}") from exc
         elapsed = time.perf_counter() - started
         residency = ctx.record.to_residency() if ctx.record is not None else None
@@ -237,14 +242,22 @@ class TurnPipeline:
             raise RouterError(503, "no healthy worker is available", retry_after_s=1.0)
         if self._unsettled:  # runs once this turn waits on its worker
             self._loop().call_soon(self.settle)
+        failed: WorkerUnreachable | None = None
         for attempt in range(2):
             decision, plan = self._decide(ctx)
+            if failed is not None and plan.answering_worker is None:
+                # a worker failed the turn and the policy has no other placement for it: the
+                # fleet's failure, not a rate limit on the client (the policy's 429)
+                raise RouterError(
+                    503, f"{failed}; no other worker can take the turn", retry_after_s=1.0
+                ) from failed
             try:
                 return await self._executor.execute(ctx, decision, plan)
             except WorkerUnreachable as exc:
                 self._mark_failed(exc.worker_id)
                 self._metrics.retry("connect")
                 ctx.events.retried = True
+                failed = exc
                 if attempt == 1 or self._pool.healthy_count() == 0:
                     raise RouterError(
                         503, f"no worker reachable: {exc}", retry_after_s=1.0
@@ -343,3 +356,20 @@ class TurnPipeline:
         tokens = usage.prompt_tokens + usage.completion_tokens
         nbytes = kv_bytes(tokens, self._config.kv_bytes_per_token)
         self._state.commit_session_nowait(ctx.session_id, ctx.served_by, tokens, nbytes, expected)
+
+
+def objective_ms(value: str | None, header: str, default: float) -> float:
+    """A per-turn objective from its header: a finite number of milliseconds, above 0 and at
+    most `MAX_OBJECTIVE_MS`; the default without the header; 400 naming the header else."""
+    if value is None:
+        return default
+    try:
+        parsed = float(value)
+    except ValueError:
+        parsed = math.nan
+    if not 0.0 < parsed <= MAX_OBJECTIVE_MS:  # NaN and infinities too
+        raise RouterError(
+            400, f"{header} must be a number of milliseconds above 0 and at most "
+            f"{MAX_OBJECTIVE_MS:.0f}, got {value[:32]!r}", header,
+        )  # fmt: skip
+    return parsed

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from router.errors import stream_error_frames
-from router.http import UpstreamError
+from router.http import UpstreamError, UpstreamTimeout
 from router.turn.usage import Usage, usage_of
 
 _SEP = b"\n\n"
@@ -53,6 +53,7 @@ class RelayResult:
     usage: Usage | None = None
     completed: bool = False  # the worker ended the stream with [DONE]
     error: str | None = None  # set when the stream failed mid-way
+    timed_out: str | None = None  # the deadline the worker missed ("gap", ...), if that was it
 
 
 class Downstream(Protocol):
@@ -81,11 +82,22 @@ class StreamRelay:
         self._drop_role = drop_first_content
         self.result = RelayResult()
 
-    async def run(self, upstream: AsyncIterable[bytes]) -> RelayResult:
+    async def run(self, upstream: AsyncIterable[bytes], first: bytes = b"") -> RelayResult:
+        """Relay `upstream` to the client; `first`: its bytes already read, relayed first."""
         result = self.result
         pending = b""
         draining = False  # past [DONE]: read to the end, so that the connection can be reused
         try:
+            if first:
+                pending = first
+                if _SEP in pending:
+                    *frames, pending = pending.split(_SEP)
+                    out = self._filter(frames)
+                    if result.completed:
+                        draining = True
+                        await self._downstream.end(out)
+                    elif out:
+                        await self._downstream.write(out)
             async for data in upstream:
                 if draining:
                     continue
@@ -107,11 +119,14 @@ class StreamRelay:
                     await self._downstream.write(out)
         except (UpstreamError, TimeoutError) as exc:
             result.error = f"worker stream failed: {exc or type(exc).__name__}"
+            if isinstance(exc, UpstreamTimeout):
+                result.timed_out = exc.stage
         if result.completed:
             return result
         if result.error is None:
             result.error = "worker closed the stream before it finished"
-        await self._downstream.write(stream_error_frames(502, result.error))
+        status = 504 if result.timed_out is not None else 502
+        await self._downstream.write(stream_error_frames(status, result.error))
         return result
 
     def _content_only(self, data: bytes) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from router.turn.fields import RoutingFields, content_text, prompt_text
+from router.turn.fields import RoutingFields, content_text, prompt_text, text_size
 
 TEMPLATE_TOKENS_PER_MESSAGE = 4
 
@@ -35,10 +35,10 @@ class LocalTokenizer:
     def count(self, fields: RoutingFields) -> int:
         if fields.messages is not None:
             return sum(
-                self._count(content_text(message.get("content"))) + TEMPLATE_TOKENS_PER_MESSAGE
+                self._count(content_text(message.content)) + TEMPLATE_TOKENS_PER_MESSAGE
                 for message in fields.messages
             )
-        prompt = fields.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-            return len(prompt)
-        return self._count(prompt_text(prompt))
+        _, token_ids = text_size(fields)  # a prompt of token ids counts itself
+        if token_ids is not None:
+            return token_ids
+        return self._count(prompt_text(fields.prompt))

@@ -30,7 +30,8 @@ async def test_hop_by_hop_and_auth_headers_are_not_forwarded(
         assert response.status == 200, usage
         assert response.headers["X-Request-Id"] == "req-123"
     sent = set(recorder.received[-1].headers)
-    assert recorder.received[-1].headers["x-request-id"] == "req-123"
+    # the client's id is echoed to it; the worker gets the router's own (a handoff's pairing id)
+    assert recorder.received[-1].headers["x-request-id"] not in ("", "req-123")
     for header in ("authorization", "proxy-authorization", "te", "x-secret"):
         assert header not in sent
 

@@ -162,7 +162,7 @@ async def test_app_endpoints_list_models_health_readiness_and_metrics(stack: Sta
     assert status == 200 and [m["id"] for m in body["data"]] == ["llama"]
     assert body["data"][0]["max_model_len"] == 8192  # the worker's own entry, as it gave it
     status, body = await call(stack, router, "GET", "/health", token=None)
-    assert status == 200 and body == {"status": "ok"}
+    assert status == 200 and body == {"status": "ok", "degraded": False}
     status, body = await call(stack, router, "GET", "/ready", token=None)
     assert status == 200 and body == {"redis": True, "healthy_workers": 1, "degraded": False}
     # a model no worker serves is refused before any worker sees it

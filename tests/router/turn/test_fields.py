@@ -38,7 +38,7 @@ def test_session_identity_prefers_header_then_user_then_fingerprint() -> None:
         (b'{"prompt": "x", "max_completion_tokens": -1}', False, "max_completion_tokens"),
         (b'{"prompt": "x", "n": 2}', False, "n"),
         (b'{"prompt": "x", "stream_options": {"include_usage": true}}', False, "stream_options"),
-        (b'{"prompt": "x", "stream": "yes"}', False, None),
+        (b'{"prompt": "x", "stream": "yes"}', False, "stream"),
     ],
 )
 def test_invalid_requests_are_400_naming_the_field(

@@ -483,11 +483,6 @@ async def test_client_giving_up_on_a_whole_turn_cancels_the_upstream_request(
     assert event["outcome"] == "cancelled" and event["decode_worker"] == "a"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product bug: RouterConfig.request_timeout_s is never applied; a worker that "
-    "accepts a turn and never answers holds it until the client goes away (no 504)",
-)
 async def test_stalled_worker_times_out_after_request_timeout(stack: Stack) -> None:
     a = await stack.worker("a")
     a.fail_next("stall")
