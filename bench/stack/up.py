@@ -58,6 +58,7 @@ class StackSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # the workers' --scheduling-policy; under "priority" the router is told so, and the turns
     # a policy gives due times to are admitted in the order they are due (as the simulator's)
     scheduling_policy: Literal["fcfs", "priority"] = "priority"
+    router_args: tuple[str, ...] = ()  # more `serve` options, as given
 
     def __post_init__(self) -> None:
         if len(self.roles) != self.cluster.workers:
@@ -193,6 +194,7 @@ class LocalStack:
             router.append("--priority-scheduling")
         for role, url in zip(spec.roles, self.worker_urls, strict=True):
             router += [f"--{role}", url]
+        router += spec.router_args
         self._router = _Child("router", router, spec.log_dir)
 
     @property
