@@ -12,6 +12,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from router.version import version
+
 PROVIDERS = ("router.commands", "sim.commands", "bench.commands")
 
 
@@ -21,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Session-aware request router for LLM serving, with simulated workers "
         "and a trace-replay bench.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in PROVIDERS:
         importlib.import_module(name).register(subparsers)

@@ -1,9 +1,11 @@
 """Find and build placement policies by name, in the style of llm-d's scheduler plugins.
 
 A spec is one of:
-- a built-in name ("round-robin", "colocate", "disaggregate", "threshold");
+- a built-in name ("round-robin", "colocate", "disaggregate", "threshold", "adaptive");
 - the name of an entry point in the group `session_router.policies` (third-party plugins);
 - `module:attr`, any importable class.
+A name matches with underscores for dashes and the other way round (`round_robin`, as
+vllm-router and sglang-router spell theirs), when it matches nothing as given.
 
 A policy factory is a class with a `Params` class attribute (a frozen msgspec Struct with
 forbid_unknown_fields=True) whose constructor takes one argument, the validated `Params`.
@@ -17,6 +19,7 @@ import importlib
 import importlib.metadata
 import re
 from collections.abc import Callable, Iterable, Mapping
+from typing import TypeVar
 
 import msgspec
 
@@ -29,6 +32,7 @@ from policies.baselines.threshold import ThresholdPolicy
 from policies.params import PolicyConfigError
 
 ENTRY_POINT_GROUP = "session_router.policies"
+_T = TypeVar("_T")
 
 BUILTIN_POLICIES: Mapping[str, type] = {
     "round-robin": RoundRobinPolicy,
@@ -93,13 +97,26 @@ def parse_param_assignments(assignments: Iterable[str]) -> dict[str, str]:
     return parsed
 
 
+def _same_name(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _find(spec: str, known: Mapping[str, _T]) -> _T | None:
+    """`known[spec]`, else the one entry whose name equals spec's with `_` and `-` alike."""
+    found = known.get(spec)
+    if found is not None:
+        return found
+    alike = [value for name, value in known.items() if _same_name(name) == _same_name(spec)]
+    return alike[0] if len(alike) == 1 else None
+
+
 def _resolve(spec: str) -> type:
-    builtin = BUILTIN_POLICIES.get(spec)
-    if builtin is not None:
-        return builtin
     if ":" in spec:
         return _load_class(spec, spec, lambda: _import_attr(spec))
-    entry_point = _entry_points().get(spec)
+    builtin = _find(spec, BUILTIN_POLICIES)
+    if builtin is not None:
+        return builtin
+    entry_point = _find(spec, _entry_points())
     if entry_point is None:
         names = ", ".join(available_policies())
         raise PolicyConfigError(

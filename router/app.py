@@ -14,9 +14,11 @@ import msgspec
 
 from policies import create_policy
 from router.admin import Admin
+from router.api import PASS_THROUGH, RESPONSES, SESSIONS_PREFIX, Api
 from router.config import RouterConfig
 from router.errors import error_response
 from router.fleet.telemetry import Scraper, ScrapeTarget, WorkerLoad
+from router.fleet.tls import worker_ssl_context
 from router.fleet.workers import EjectionConfig, WorkerPool
 from router.http import Request, Response, StreamWriter
 from router.obs.events import EventLog, StageClock
@@ -42,7 +44,10 @@ class Router:
         self._api_key = None if config.api_key is None else config.api_key.encode()
         self.metrics = RouterMetrics()
         self.pool = WorkerPool(
-            config.workers, EjectionConfig.of(config), self.metrics.worker_ejection
+            config.workers,
+            EjectionConfig.of(config),
+            self.metrics.worker_ejection,
+            tls=worker_ssl_context(config),
         )
         self.metrics.bind_workers(self.pool.workers)
         policy_config = config.policy
@@ -61,6 +66,7 @@ class Router:
             "/health": self._health,
             "/ready": self._ready,
             "/metrics": self._metrics,
+            "/version": self._version,
         }
 
     async def start(self) -> None:
@@ -101,6 +107,7 @@ class Router:
             config, self.pool, self.state, self.policy, self.metrics, self.events, executor,
             self.clock, self._mark_failed,
         )  # fmt: skip
+        self.api = Api(config, self.pool, legs, self.state)
         self.admin = Admin(config.admin_token, self.pool, self.state, self.events, self.policy,
                            allow_policy_import=config.allow_policy_import)  # fmt: skip
 
@@ -211,21 +218,30 @@ class Router:
                     401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
                     headers={"WWW-Authenticate": "Bearer"},
                 ))  # fmt: skip
-        if request.method == "POST" and (
-            path == "/v1/chat/completions" or path == "/v1/completions"
-        ):
+        method = request.method
+        if method == "POST" and (path == "/v1/chat/completions" or path == "/v1/completions"):
             content_type = request.headers.get("content-type")
             if content_type != "application/json" and not is_json_media_type(content_type):
-                return _answer(error_response(
-                    415, "Content-Type must be application/json (UTF-8), got "
-                    f"{(content_type or 'none')[:64]!r}", "Content-Type",
-                ))  # fmt: skip
+                return _answer(_unsupported_media_type(content_type))
             return self.pipeline.handle(request, writer, chat=path == "/v1/chat/completions")
+        if method == "POST" and (path in PASS_THROUGH or path == RESPONSES):
+            content_type = request.headers.get("content-type")
+            if content_type != "application/json" and not is_json_media_type(content_type):
+                return _answer(_unsupported_media_type(content_type))
+            if path == RESPONSES:
+                return self.api.responses(request, writer)
+            return self.api.forward(request, writer)
+        if method == "DELETE" and path.startswith(SESSIONS_PREFIX):
+            return self.api.end_session(path[len(SESSIONS_PREFIX) :])
         return self._handle_other(request)
 
     async def _handle_other(self, request: Request) -> Response | None:
         path, method = request.path, request.method
         if path == "/v1/chat/completions" or path == "/v1/completions":
+            return error_response(405, f"method {method} not allowed")
+        if path in PASS_THROUGH or path == RESPONSES:
+            return error_response(405, f"method {method} not allowed")
+        if path.startswith(SESSIONS_PREFIX) and len(path) > len(SESSIONS_PREFIX):
             return error_response(405, f"method {method} not allowed")
         self.pipeline.settle()  # what is reported includes every turn already answered
         if path.startswith(Admin.PREFIX):
@@ -241,6 +257,9 @@ class Router:
         names = self.pool.model_names()
         data = [self._models[name] for name in names if name in self._models]
         return Response(200, _encode({"object": "list", "data": data}))
+
+    async def _version(self) -> Response:
+        return await self.api.version()
 
     async def _health(self) -> Response:
         degraded = self.state is not None and self.state.degraded
@@ -268,6 +287,13 @@ class Router:
 
 async def _answer(response: Response) -> Response:
     return response
+
+
+def _unsupported_media_type(content_type: str | None) -> Response:
+    return error_response(
+        415, "Content-Type must be application/json (UTF-8), got "
+        f"{(content_type or 'none')[:64]!r}", "Content-Type",
+    )  # fmt: skip
 
 
 def bearer_matches(authorization: str | None, key: bytes) -> bool:

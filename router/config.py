@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import tomllib
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
@@ -16,6 +17,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from policies.registry import available_policies
 from policies.types import Role
 
 Engine = Literal["vllm", "sglang"]
@@ -105,6 +107,15 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # PUT /admin/policy may name `module:attr` (an import of any installed module) only with
     # this; without it, only registered policies and the one the router started with
     allow_policy_import: bool = False
+    # the request header naming a turn's session (before `user` and the fingerprint)
+    session_header: str = "X-Session-Id"
+    # TLS to https:// workers (turns, scrapes, model lists): a CA bundle to verify them with
+    # (default: the system's), a client certificate and key for mutual TLS, and skipping
+    # verification altogether, which only worker_tls_insecure does.
+    worker_ca_file: str | None = None
+    worker_cert_file: str | None = None
+    worker_key_file: str | None = None
+    worker_tls_insecure: bool = False
 
     def __post_init__(self) -> None:
         if not self.workers:
@@ -114,8 +125,19 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ConfigError(f"duplicate workers: {sorted(ids)}")
         for worker in self.workers:
             parts = urlsplit(worker.url)
-            if parts.scheme not in ("http", "https") or not parts.netloc:
-                raise ConfigError(f"worker URL must be http(s)://host:port, got {worker.url!r}")
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ConfigError(
+                    f"worker URL {worker.url!r}: want http://host:port or https://host:port"
+                    + (f" (scheme {parts.scheme!r} is not supported)" if parts.scheme else "")
+                )
+            try:
+                _ = parts.port  # a port that is no number raises
+            except ValueError as exc:
+                raise ConfigError(f"worker URL {worker.url!r}: {exc}") from exc
+        if self.worker_key_file and not self.worker_cert_file:
+            raise ConfigError("worker_key_file needs worker_cert_file (the client certificate)")
+        if self.worker_tls_insecure and self.worker_ca_file:
+            raise ConfigError("worker_tls_insecure skips verification: drop worker_ca_file")
         if self.max_body_bytes <= 0 or self.scrape_interval_ms <= 0:
             raise ConfigError("max_body_bytes and scrape_interval_ms must be positive")
         timeouts = (
@@ -141,7 +163,14 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         for name in limits:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive")
+        if not _HEADER_NAME.fullmatch(self.session_header):
+            raise ConfigError(
+                f"session_header must be an HTTP header name, got {self.session_header[:64]!r}"
+            )
 
+
+# an HTTP header name (RFC 9110 token)
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 
 # option name -> converter for values read from the environment or the command line
 _SCALARS: Mapping[str, type] = {
@@ -155,42 +184,128 @@ _SCALARS: Mapping[str, type] = {
     "eject_max_s": float, "eject_max_percent": float,
     "client_read_timeout_s": float, "max_connections": int, "keepalive_timeout_s": float,
     "keepalive_requests": int, "redis_timeout_s": float, "redis_connect_timeout_s": float,
-    "allow_policy_import": bool,
+    "allow_policy_import": bool, "worker_ca_file": str, "worker_cert_file": str,
+    "worker_key_file": str, "worker_tls_insecure": bool,
+    "session_header": str,
 }  # fmt: skip
 
 
 def add_serve_options(parser: argparse.ArgumentParser) -> None:
+    """The `serve` options; each help states its default (None: unset unless given, so the
+    environment and the TOML file can still set it)."""
     add = parser.add_argument
-    add("--config", help="TOML file ([[workers]], [policy], and any option below)")
+    add(
+        "--config",
+        metavar="FILE",
+        help="TOML file ([[workers]], [policy], and any option below) (default: none)",
+    )
     add("--host", help="listen address (default 127.0.0.1)")
     add("--port", type=int, help="listen port (default 8000)")
     for role in ("prefill", "decode", "mixed"):
-        add(f"--{role}", action="append", default=None, metavar="URL",
-            help=f"a {role} worker (repeatable)")  # fmt: skip
-    add("--engine", choices=["vllm", "sglang"], help="engine of the command-line workers")
-    add("--priority-scheduling", action="store_true", default=None,
+        add(
+            f"--{role}",
+            action="append",
+            default=None,
+            metavar="URL",
+            help=f"a {role} worker, http:// or https:// (repeatable; default: none)",
+        )
+    add(
+        "--worker-urls",
+        dest="mixed",
+        action="extend",
+        nargs="+",
+        default=None,
+        metavar="URL",
+        help="mixed workers, as vllm-router and sglang-router take them: the same as --mixed "
+        "for each URL (default: none)",
+    )
+    add(
+        "--engine",
+        choices=["vllm", "sglang"],
+        help="engine of the command-line workers (default vllm)",
+    )
+    add(
+        "--priority-scheduling",
+        action="store_true",
+        default=None,
         help="the command-line workers schedule by request priority (vLLM "
-             "--scheduling-policy priority, SGLang --enable-priority-scheduling)")  # fmt: skip
-    add("--policy", help="placement policy name, entry point or module:attr")
-    add("--policy-param", action="append", default=None, metavar="KEY=VALUE")
-    add("--redis", help="embedded | redis://... | rediss://... | unix://... | "
-        "redis+sentinel://host:port,.../service (default embedded)")  # fmt: skip
+        "--scheduling-policy priority, SGLang --enable-priority-scheduling) (default off)",
+    )
+    add(
+        "--policy",
+        metavar="NAME",
+        help=f"placement policy: {', '.join(available_policies())} (underscores for dashes "
+        "too), an entry point's name or module:attr (default colocate)",
+    )
+    add(
+        "--policy-param",
+        action="append",
+        default=None,
+        metavar="KEY=VALUE",
+        help="a parameter of the policy (repeatable; default: the policy's own defaults)",
+    )
+    add(
+        "--redis",
+        help="embedded | redis://... | rediss://... | unix://... | "
+        "redis+sentinel://host:port,.../service (default embedded)",
+    )
     add("--redis-prefix", help="key prefix in Redis (default sr)")
-    add("--first-token", choices=["decode", "prefill"], help="first-token convention")
-    add("--admin-token", help="enables /admin with this bearer token")
-    add("--api-key", help="clients must present this bearer token")
-    add("--forward-auth", action="store_true", default=None,
-        help="forward the client's Authorization header to workers")  # fmt: skip
-    add("--max-body-bytes", type=int)
-    add("--scrape-interval-ms", type=int)
-    add("--events", metavar="FILE", help="append every turn's stage events as JSON lines")
-    add("--slo-ttft-ms", type=float)
-    add("--slo-itl-ms", type=float)
-    add("--kv-bytes-per-token", type=int)
-    add("--tokenizer", metavar="FILE",
-        help="tokenizer.json for exact prompt token counts (needs `tokenizers`)")  # fmt: skip
-    add("--log-level", choices=["debug", "info", "warning", "error"])
-    add("--connect-timeout-s", type=float, help="connecting to a worker (default 2)")
+    add(
+        "--first-token",
+        choices=["decode", "prefill"],
+        help="which worker produces a disaggregated turn's first token (default decode)",
+    )
+    add("--admin-token", help="enables /admin with this bearer token (default: /admin off)")
+    add("--api-key", help="clients must present this bearer token (default: none asked)")
+    add(
+        "--forward-auth",
+        action="store_true",
+        default=None,
+        help="forward the client's Authorization header to workers (default off)",
+    )
+    add(
+        "--max-body-bytes",
+        type=int,
+        help="largest request body accepted, else 413 (default 33554432, 32 MiB)",
+    )
+    add(
+        "--scrape-interval-ms",
+        type=int,
+        help="how often each worker's /metrics is scraped (default 250)",
+    )
+    add(
+        "--events",
+        metavar="FILE",
+        help="append every turn's stage events as JSON lines (default: none)",
+    )
+    add(
+        "--slo-ttft-ms",
+        type=float,
+        help="time-to-first-token objective (default 1000 ms + 0.2 ms per prompt token)",
+    )
+    add("--slo-itl-ms", type=float, help="inter-token latency objective (default 100)")
+    add(
+        "--session-ttl-s",
+        type=float,
+        help="a session's state is forgotten this long after its last turn (default 3600)",
+    )
+    add(
+        "--kv-bytes-per-token",
+        type=int,
+        help="KV-cache bytes per token of the served model (default 131072, llama-3.1-8b bf16)",
+    )
+    add(
+        "--tokenizer",
+        metavar="FILE",
+        help="tokenizer.json for exact prompt token counts (needs `tokenizers`; default: "
+        "estimated from the text)",
+    )
+    add("--log-level", choices=["debug", "info", "warning", "error"], help="(default info)")
+    add(
+        "--connect-timeout-s",
+        type=float,
+        help="connecting to a worker, TLS handshake included (default 2)",
+    )
     add(
         "--request-timeout-s",
         type=float,
@@ -224,22 +339,73 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
         type=float,
         help="most of the fleet ejected at once, in percent (default 50)",
     )
-    add("--client-read-timeout-s", type=float,
+    add(
+        "--client-read-timeout-s",
+        type=float,
         help="a request's head and body must arrive within this of its first byte, else 408 "
-             "(default 30)")  # fmt: skip
-    add("--max-connections", type=int,
-        help="client connections beyond this are answered 503 (default 4096)")  # fmt: skip
-    add("--keepalive-timeout-s", type=float,
-        help="close a client connection idle this long (default 75)")  # fmt: skip
-    add("--keepalive-requests", type=int,
-        help="close a client connection after this many requests (default 10000)")  # fmt: skip
-    add("--redis-timeout-s", type=float,
-        help="a Redis command taking longer means Redis is unreachable (default 2)")  # fmt: skip
-    add("--redis-connect-timeout-s", type=float,
-        help="connecting to Redis taking longer means it is unreachable (default 5)")  # fmt: skip
-    add("--allow-policy-import", action="store_true", default=None,
+        "(default 30)",
+    )
+    add(
+        "--max-connections",
+        type=int,
+        help="client connections beyond this are answered 503 (default 4096)",
+    )
+    add(
+        "--keepalive-timeout-s",
+        type=float,
+        help="close a client connection idle this long (default 75)",
+    )
+    add(
+        "--keepalive-requests",
+        type=int,
+        help="close a client connection after this many requests (default 10000)",
+    )
+    add(
+        "--redis-timeout-s",
+        type=float,
+        help="a Redis command taking longer means Redis is unreachable (default 2)",
+    )
+    add(
+        "--redis-connect-timeout-s",
+        type=float,
+        help="connecting to Redis taking longer means it is unreachable (default 5)",
+    )
+    add(
+        "--allow-policy-import",
+        action="store_true",
+        default=None,
         help="PUT /admin/policy may name module:attr, importing that module (default: only "
-             "registered policies and the one started with)")  # fmt: skip
+        "registered policies and the one started with)",
+    )
+    add(
+        "--worker-ca-file",
+        metavar="FILE",
+        help="CA bundle (PEM) that https:// workers' certificates are verified against "
+        "(default: the system's CAs)",
+    )
+    add(
+        "--worker-cert-file",
+        metavar="FILE",
+        help="client certificate (PEM) for https:// workers that ask for one, mutual TLS; "
+        "may hold the key too (default: none)",
+    )
+    add(
+        "--worker-key-file",
+        metavar="FILE",
+        help="the client certificate's private key (PEM) (default: in --worker-cert-file)",
+    )
+    add(
+        "--worker-tls-insecure",
+        action="store_true",
+        default=None,
+        help="do not verify https:// workers' certificates or names; for tests only "
+        "(default off: verified)",
+    )
+    add(
+        "--session-header",
+        metavar="NAME",
+        help="request header naming a turn's session (default X-Session-Id)",
+    )
 
 
 def _truthy(raw: str) -> bool:

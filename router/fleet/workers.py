@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import ssl
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -88,7 +89,9 @@ class WorkerPool:
         ejection: EjectionConfig | None = None,
         on_ejection: OnEjection | None = None,
         clock: Callable[[], float] = time.monotonic,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
+        self.tls = tls  # for https:// workers (router.fleet.tls); None: the system's defaults
         self.workers: dict[str, WorkerState] = {spec.worker_id: WorkerState(spec) for spec in specs}
         self._session: aiohttp.ClientSession | None = None
         self._upstream: UpstreamPool | None = None
@@ -105,7 +108,7 @@ class WorkerPool:
     def open_session(self, connect_timeout_s: float) -> aiohttp.ClientSession:
         """Open the pooled clients: `upstream` carries turns (lean, keep-alive, TCP_NODELAY),
         the returned aiohttp session scrapes metrics and lists models, off the turn's path."""
-        self._upstream = UpstreamPool(connect_timeout_s=connect_timeout_s)
+        self._upstream = UpstreamPool(connect_timeout_s=connect_timeout_s, ssl_context=self.tls)
         # No per-host limit (the workers' own queues are the admission control) and no
         # environment proxies.
         connector = aiohttp.TCPConnector(
@@ -114,6 +117,7 @@ class WorkerPool:
             keepalive_timeout=60,
             enable_cleanup_closed=True,
             family=socket.AF_UNSPEC,
+            ssl=self.tls if self.tls is not None else True,  # used for https:// workers only
         )
         self._session = aiohttp.ClientSession(
             connector=connector,

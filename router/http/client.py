@@ -14,6 +14,7 @@ with `UpstreamTimeout` and closes the connection (the worker's request is cancel
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections import deque
 from collections.abc import AsyncIterator, Mapping
 from typing import cast
@@ -56,7 +57,7 @@ class _StaleConnection(Exception):
 class _Upstream(asyncio.Protocol):
     """One connection to a worker and the state of the exchange it is carrying."""
 
-    def __init__(self, pool: UpstreamPool, key: tuple[str, int]) -> None:
+    def __init__(self, pool: UpstreamPool, key: tuple[str, int, bool]) -> None:
         self.pool = pool
         self.key = key
         self.transport: asyncio.Transport = None  # type: ignore[assignment]  # set at once
@@ -355,7 +356,8 @@ class UpstreamResponse:
 
 
 class UpstreamPool:
-    """Keep-alive connections per (host, port), reused last-in first-out."""
+    """Keep-alive connections per (host, port, TLS), reused last-in first-out. An https://
+    URL connects with TLS by `ssl_context` (default: the system's CAs, names checked)."""
 
     def __init__(
         self,
@@ -363,13 +365,15 @@ class UpstreamPool:
         connect_timeout_s: float = 2.0,
         max_idle_per_host: int = 256,
         idle_timeout_s: float = 60.0,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.connect_timeout_s = connect_timeout_s
+        self.ssl_context = ssl_context
         self.max_idle_per_host = max_idle_per_host
         self.idle_timeout_s = idle_timeout_s
         self.connections: set[_Upstream] = set()
-        self._idle: dict[tuple[str, int], deque[_Upstream]] = {}  # oldest first
-        self._targets: dict[str, tuple[str, int, str]] = {}
+        self._idle: dict[tuple[str, int, bool], deque[_Upstream]] = {}  # oldest first
+        self._targets: dict[str, tuple[str, int, str, bool]] = {}
         self._sweep_timer: asyncio.TimerHandle | None = None
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -393,17 +397,17 @@ class UpstreamPool:
         retried once on a fresh one."""
         if self._closed:
             raise RuntimeError("UpstreamPool is closed")
-        host, port, host_header = self._target(base_url)
+        host, port, host_header, tls = self._target(base_url)
         payload = request_head(method, path, host_header, headers, len(body))
         head_only = method == "HEAD"
-        conn = self._acquire((host, port))
+        conn = self._acquire((host, port, tls))
         if conn is not None:
             try:
                 return await conn.exchange(payload, body, head_only, head_timeout_s,
                                            first_byte_timeout_s, gap_timeout_s)  # fmt: skip
             except _StaleConnection:
                 pass  # a stale keep-alive connection is no worker failure: once more, fresh
-        conn = await self._connect(host, port)
+        conn = await self._connect(host, port, tls)
         return await conn.exchange(payload, body, head_only, head_timeout_s, first_byte_timeout_s,
                                    gap_timeout_s)  # fmt: skip
 
@@ -418,30 +422,44 @@ class UpstreamPool:
         self._idle.clear()
         await asyncio.sleep(0)  # let the transports run connection_lost
 
-    def _target(self, base_url: str) -> tuple[str, int, str]:
+    def _target(self, base_url: str) -> tuple[str, int, str, bool]:
         target = self._targets.get(base_url)
         if target is None:
             parts = urlsplit(base_url)
-            if parts.scheme != "http" or not parts.hostname:
-                raise ValueError(f"unsupported upstream URL {base_url!r} (want http://host:port)")
-            port = parts.port or 80
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(
+                    f"unsupported upstream URL {base_url!r} (want http(s)://host:port)"
+                )
+            tls = parts.scheme == "https"
+            port = parts.port or (443 if tls else 80)
             name = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
-            target = self._targets[base_url] = (parts.hostname, port, f"{name}:{port}")
+            target = (parts.hostname, port, f"{name}:{port}", tls)
+            self._targets[base_url] = target
         return target
 
-    async def _connect(self, host: str, port: int) -> _Upstream:
+    async def _connect(self, host: str, port: int, tls: bool) -> _Upstream:
+        context: ssl.SSLContext | None = None
+        if tls:
+            if self.ssl_context is None:
+                self.ssl_context = ssl.create_default_context()
+            context = self.ssl_context
+        key = (host, port, tls)
         try:
-            async with asyncio.timeout(self.connect_timeout_s):
+            async with asyncio.timeout(self.connect_timeout_s):  # the TLS handshake included
                 _, conn = await self.loop.create_connection(
-                    lambda: _Upstream(self, (host, port)), host, port
+                    lambda: _Upstream(self, key),
+                    host,
+                    port,
+                    ssl=context,
+                    server_hostname=host if tls else None,
                 )
         except TimeoutError as exc:
             raise UpstreamConnectError(f"connect to {host}:{port} timed out") from exc
-        except OSError as exc:
+        except OSError as exc:  # ssl.SSLError (a refused certificate) is an OSError
             raise UpstreamConnectError(f"connect to {host}:{port} failed: {exc}") from exc
         return conn
 
-    def _acquire(self, key: tuple[str, int]) -> _Upstream | None:
+    def _acquire(self, key: tuple[str, int, bool]) -> _Upstream | None:
         idle = self._idle.get(key)
         if not idle:
             return None

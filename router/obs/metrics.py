@@ -15,6 +15,7 @@ error keeps every bucket bound non-negative, which prometheus_client needs to ex
 
 from __future__ import annotations
 
+import platform
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, get_args
 
@@ -28,8 +29,10 @@ from prometheus_client import (
 )
 
 from policies.types import Action, Prediction
+from router import native
 from router.obs.cells import CellsCollector, CounterCells, GaugeCells, HistogramCells
 from router.obs.events import EventOutcome
+from router.version import version
 
 if TYPE_CHECKING:
     from router.fleet.telemetry import WorkerLoad
@@ -156,6 +159,16 @@ class RouterMetrics:
         self.workers_ejected = Gauge(
             "router_workers_ejected", "Workers ejected as outliers now.", registry=reg
         )
+        self.build_info = Gauge(
+            "router_build_info",
+            "Always 1: the router's version, its Python, and whether its compiled hot path "
+            "runs (native on|off).",
+            ["version", "python", "native"],
+            registry=reg,
+        )
+        self.build_info.labels(
+            version(), platform.python_version(), "on" if native.active else "off"
+        ).set(1)
 
         CellsCollector([
             self.requests_total, self.decisions_total, self.decision_seconds,

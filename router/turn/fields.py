@@ -187,8 +187,11 @@ def _too_deep(body: dict[str, Any], other: object) -> bool:
     return bool(level)
 
 
-def session_identity(header: str | None, fields: RoutingFields) -> str:
-    """X-Session-ID, else the body's `user`, else a fingerprint of the conversation's start.
+def session_identity(
+    header: str | None, fields: RoutingFields, header_name: str = "X-Session-Id"
+) -> str:
+    """The session header (`header_name`, `--session-header`), else the body's `user`, else a
+    fingerprint of the conversation's start.
 
     The header must be a header-safe id of at most `MAX_ID_BYTES` (400 otherwise); a `user`
     (any string, as OpenAI allows) that could not be echoed in a header as it is becomes
@@ -197,7 +200,7 @@ def session_identity(header: str | None, fields: RoutingFields) -> str:
     repeats, so clients that send no id still get affinity.
     """
     if header:
-        return checked_header_id(header, "X-Session-Id")
+        return checked_header_id(header, header_name)
     if fields.user:
         session = "user:" + fields.user
         if _header_safe(session):
@@ -285,3 +288,33 @@ class TokenEstimator:
         ratio = max(0.0, prompt_tokens - 4 * message_count) / chars
         if 0.01 < ratio < 4.0:
             self.tokens_per_char += self._alpha * (ratio - self.tokens_per_char)
+
+
+# W3C Trace Context: version-traceid-parentid-flags, lowercase hex; a later version may append
+# fields after a dash. Version ff, and an all-zero trace or parent id, are invalid.
+_TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-[ -~]*)?")
+MAX_TRACESTATE_CHARS = 512  # the spec's least a vendor must propagate
+
+
+def trace_headers(traceparent: str | None, tracestate: str | None) -> dict[str, str]:
+    """The client's W3C `traceparent` and `tracestate`, as every leg forwards them: a malformed
+    traceparent is dropped, and its tracestate with it (the spec's rule); a tracestate is kept
+    only while it is at most `MAX_TRACESTATE_CHARS` of visible ASCII and spaces."""
+    if traceparent is None:
+        return {}
+    value = traceparent.strip()
+    match = _TRACEPARENT.fullmatch(value)
+    if (
+        match is None
+        or match[1] == "ff"
+        or (match[1] == "00" and match[5] is not None)
+        or match[2] == "0" * 32
+        or match[3] == "0" * 16
+    ):
+        return {}
+    found = {"traceparent": value}
+    if tracestate is not None:
+        state = tracestate.strip()
+        if state and len(state) <= MAX_TRACESTATE_CHARS and _HEADER_SAFE.fullmatch(state):
+            found["tracestate"] = state
+    return found

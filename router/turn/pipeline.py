@@ -39,6 +39,7 @@ from router.turn.fields import (
     decode_routing_fields,
     session_identity,
     text_size,
+    trace_headers,
 )
 from router.turn.legs import TurnContext, WorkerUnreachable
 from router.turn.tokenizer_file import LocalTokenizer
@@ -83,6 +84,8 @@ class TurnPipeline:
         self._executor = executor
         self._clock = clock
         self._mark_failed = mark_failed
+        self._session_header = config.session_header
+        self._session_key = config.session_header.lower()
         self.tokens = TokenEstimator()
         self._tokenizer = LocalTokenizer(config.tokenizer) if config.tokenizer else None
         # ids unique across replicas and restarts without a system call per turn
@@ -162,7 +165,9 @@ class TurnPipeline:
         models = self._pool.model_names()
         if fields.model is not None and models and fields.model not in models:
             raise RouterError(404, f"The model `{fields.model[:256]}` does not exist.", "model")
-        session_id = session_identity(request.headers.get("x-session-id"), fields)
+        session_id = session_identity(
+            request.headers.get(self._session_key), fields, self._session_header
+        )
         events.session_id = session_id
         chars, id_count = text_size(fields)
         exact = self._tokenizer.count(fields) if self._tokenizer is not None else id_count
@@ -187,6 +192,9 @@ class TurnPipeline:
             arrival_s=time.monotonic(),
         )
         headers = {"X-Request-Id": request_id, "Content-Type": "application/json"}
+        traceparent = request.headers.get("traceparent")
+        if traceparent is not None:
+            headers.update(trace_headers(traceparent, request.headers.get("tracestate")))
         authorization = request.headers.get("authorization")
         if self._config.forward_auth and authorization is not None:
             headers["Authorization"] = authorization
