@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TYPED := router policies sim bench experiments session_router_cli.py
 
-.PHONY: test lint typecheck unit e2e slow suite plugin-test demo install native clean
+.PHONY: test lint typecheck unit e2e slow faults suite plugin-test demo install native clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,10 @@ e2e: native
 
 slow: native
 	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)
+
+# the fault scenarios (real processes), with their table
+faults: native
+	$(BIN)/python -m pytest -q -s -m faults $(PYTEST_ARGS)
 
 suite: native
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

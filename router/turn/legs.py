@@ -319,7 +319,7 @@ class LegRunner:
         if ctx.writer.started:
             await self.fail_stream(ctx, worker_id, f"worker answered {upstream.status}")
             return None
-        if not _is_openai_error(body):
+        if upstream.status >= 400 and not _is_openai_error(body):
             # a worker's (or its proxy's) plain-text or HTML error page: the client still gets
             # an OpenAI-shaped error, with the worker's status
             snippet = body[:200].decode("utf-8", "replace").strip()
