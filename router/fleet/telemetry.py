@@ -20,6 +20,8 @@ from typing import Literal
 import aiohttp
 import msgspec
 
+from router.engines import sglang, vllm
+from router.engines.metrics import EngineMetrics
 from router.fleet.prom_text import Sample, parse_samples
 
 logger = logging.getLogger("router.fleet.telemetry")
@@ -48,49 +50,7 @@ class WorkerLoad(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 OnUpdate = Callable[[str, WorkerLoad | None, bool], None]
 
 
-class _EngineMetrics(msgspec.Struct, frozen=True):
-    """Sample names for one engine kind; within each tuple the first name present wins."""
-
-    running: tuple[str, ...]
-    waiting: tuple[str, ...]
-    kv_usage: tuple[str, ...]
-    prefix_hits: tuple[str, ...]
-    prefix_queries: tuple[str, ...]
-    # Series with different values of this label are different schedulers (summed); series
-    # with the same value are copies of one scheduler's numbers (max taken).
-    replica_label: str
-
-    @property
-    def groups(self) -> tuple[tuple[str, ...], ...]:
-        return (self.running, self.waiting, self.kv_usage, self.prefix_hits, self.prefix_queries)
-
-
-_VLLM = _EngineMetrics(
-    running=("vllm:num_requests_running",),
-    waiting=("vllm:num_requests_waiting",),
-    kv_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
-    prefix_hits=("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
-    prefix_queries=("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
-    replica_label="engine",
-)
-# SGLang (python/sglang/srt/metrics/collector.py, SchedulerMetricsCollector; and
-# docs/references/production_metrics.md): gauges `sglang:num_running_reqs`,
-# `sglang:num_queue_reqs` and `sglang:token_usage` (KV pool use, 0..1), labelled model_name,
-# engine_type, tp_rank, pp_rank (dp_rank under data parallelism). Only attention-TP rank 0 of
-# each scheduler reports unless --enable-metrics-for-all-schedulers, when every TP rank repeats
-# its scheduler's numbers: hence max within a dp_rank, sum across dp_ranks (a release without
-# the dp_rank label reads as one scheduler, so data-parallel load is undercounted there). No
-# prefix-cache hit/query token counters with vLLM's meaning exist (only a hit-rate gauge), so
-# those stay None.
-_SGLANG = _EngineMetrics(
-    running=("sglang:num_running_reqs",),
-    waiting=("sglang:num_queue_reqs",),
-    kv_usage=("sglang:token_usage",),
-    prefix_hits=(),
-    prefix_queries=(),
-    replica_label="dp_rank",
-)
-_ENGINES = {"vllm": _VLLM, "sglang": _SGLANG}
+_ENGINES: dict[str, EngineMetrics] = {"vllm": vllm.METRICS, "sglang": sglang.METRICS}
 
 
 def parse_worker_load(text: str, engine: Engine, now: float) -> WorkerLoad:

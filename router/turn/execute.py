@@ -10,7 +10,7 @@ from collections.abc import Awaitable
 from policies.plan import Plan, Transfer, kv_bytes, tokens_to_move
 from policies.types import Decision, Reject, hold_of
 from router.config import RouterConfig
-from router.engines import adapters
+from router.engines import leg_body, sglang, vllm
 from router.errors import RouterError
 from router.http import Response, UpstreamConnectError, UpstreamError, UpstreamTimeout
 from router.obs.events import StageClock
@@ -91,7 +91,7 @@ class Executor:
         status, raw = await self._prefill_leg(ctx, prefill)
         if 400 <= status < 500:  # the worker refused the request itself: the client's problem
             return Response(status, raw, ctx.echo())
-        reply = adapters.parse_prefill_reply(raw) if status == 200 else None
+        reply = vllm.parse_prefill_reply(raw) if status == 200 else None
         events.prefill_end = self._clock.now()
         if reply is not None:
             events.prefill_cached_tokens = reply.cached_tokens
@@ -103,17 +103,17 @@ class Executor:
         drop_first = False
         if self._config.first_token == "prefill" and ctx.fields.stream and reply and params:
             writer = await self._legs.prepare(ctx)
-            await writer.write(adapters.first_token_frames(reply, ctx.chat))
+            await writer.write(vllm.first_token_frames(reply, ctx.chat))
             events.first_token = self._clock.now()
             drop_first = True
-        decode_body = adapters.vllm_decode_leg(ctx.body(), params)
+        decode_body = vllm.decode_leg(ctx.body(), params)
         if ctx.fields.stream and not ctx.fields.wants_usage:
-            decode_body = adapters.with_usage_requested(decode_body)
+            decode_body = leg_body.with_usage_requested(decode_body)
         events.transfer_start = self._clock.now()
         ctx.served_by = decode
         try:
             response = await self._legs.relay(
-                ctx, decode, adapters.encode_body(decode_body), drop_first, transfer.arrived,
+                ctx, decode, leg_body.encode_body(decode_body), drop_first, transfer.arrived,
                 brings_kv=params is not None,
             )  # fmt: skip
         except WorkerUnreachable:
@@ -127,7 +127,7 @@ class Executor:
         refused connection or a missed deadline (its answer is due by the turn's first-byte
         deadline) raises as `LegRunner.unanswered` says: the turn goes elsewhere, or fails."""
         legs = self._legs
-        payload = adapters.encode_body(adapters.vllm_prefill_leg(ctx.body()))
+        payload = leg_body.encode_body(vllm.prefill_leg(ctx.body()))
         with legs.inflight(prefill):
             try:
                 upstream = await legs.send(ctx, prefill, payload, first_token_leg=True)
@@ -202,17 +202,17 @@ class Executor:
         host = spec.base_url.split("://", 1)[1].rsplit(":", 1)[0]
         body = ctx.body()
         if ctx.fields.stream and not ctx.fields.wants_usage:
-            body = adapters.with_usage_requested(body)
-        prefill_body, decode_body = adapters.sglang_legs(body, host, spec.bootstrap_port,
+            body = leg_body.with_usage_requested(body)
+        prefill_body, decode_body = sglang.legs(body, host, spec.bootstrap_port,
                                                          self._rng)  # fmt: skip
         ctx.events.prefill_start = ctx.events.transfer_start = self._clock.now()
-        drain = asyncio.ensure_future(self._drain(prefill, ctx, adapters.encode_body(prefill_body)))
+        drain = asyncio.ensure_future(self._drain(prefill, ctx, leg_body.encode_body(prefill_body)))
         self._drains.add(drain)
         drain.add_done_callback(self._drains.discard)
         ctx.served_by = decode
         try:
             response = await self._legs.relay(
-                ctx, decode, adapters.encode_body(decode_body), on_first_token=transfer.arrived,
+                ctx, decode, leg_body.encode_body(decode_body), on_first_token=transfer.arrived,
                 brings_kv=True,
             )  # fmt: skip
         except BaseException:

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from policies.types import ClusterView, Turn
 from router.config import RouterConfig
-from router.engines import adapters
+from router.engines import leg_body
 from router.errors import RouterError, error_response, stream_error_frames
 from router.fleet.workers import WorkerPool
 from router.http import (
@@ -91,13 +91,13 @@ class TurnContext:
 
     def body(self) -> dict[str, Any]:
         if self._body is None:
-            self._body = adapters.decode_body(self.raw)
+            self._body = leg_body.decode_body(self.raw)
         return self._body
 
     def client_payload(self) -> bytes:
         """The client's request as a worker should get it: with usage always requested."""
         if self.fields.stream and not self.fields.wants_usage:
-            return adapters.encode_body(adapters.with_usage_requested(self.body()))
+            return leg_body.encode_body(leg_body.with_usage_requested(self.body()))
         return self.raw
 
     @property
@@ -186,7 +186,7 @@ class LegRunner:
         if ctx.engine_priority is not None:
             spec = self.pool.workers[worker_id].spec
             if spec.priority_scheduling:
-                payload = adapters.with_priority(payload, ctx.engine_priority, spec.engine)
+                payload = leg_body.with_priority(payload, ctx.engine_priority, spec.engine)
         timeouts = self.timeouts
         if first_token_leg or ctx.fields.stream:
             first = timeouts.first_byte_s(ctx.turn.objectives.ttft_ms)

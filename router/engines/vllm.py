@@ -1,60 +1,34 @@
-"""Engine adapters: how a handoff's legs are written for vLLM (NixlConnector) and SGLang.
-
-Bodies are the client's JSON object, decoded once into a dict and re-encoded per leg; the
-router never rewrites fields it does not have to.
-"""
+"""vLLM: a NixlConnector handoff's legs, the prefill reply the router reads, and the metric
+names its /metrics page uses (current first, then older releases' names)."""
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
 import msgspec
 
+from router.engines.metrics import EngineMetrics
 from router.turn.usage import reported_cached_tokens
 
 _encode = msgspec.json.Encoder().encode
-_decode = msgspec.json.Decoder().decode
+
+# vLLM (--scheduling-policy priority) admits lower values first.
+PRIORITY_SIGN = 1
+
+METRICS = EngineMetrics(
+    running=("vllm:num_requests_running",),
+    waiting=("vllm:num_requests_waiting",),
+    kv_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    prefix_hits=("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
+    prefix_queries=("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
+    replica_label="engine",
+)
 
 # Fields the prefill leg must not carry (vLLM's reference proxy removes them).
 _PREFILL_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens")
 
 
-def decode_body(raw: bytes) -> dict[str, Any]:
-    body = _decode(raw)
-    if not isinstance(body, dict):
-        raise ValueError("request body must be a JSON object")
-    return body
-
-
-def encode_body(body: dict[str, Any]) -> bytes:
-    return _encode(body)
-
-
-def with_priority(payload: bytes, priority: int, engine: str) -> bytes:
-    """A request body (a JSON object without `priority`) asking an engine with priority
-    scheduling to admit it as `priority` says, lower first; spliced in, not re-encoded.
-    SGLang admits higher values first unless told otherwise, so it gets the negation."""
-    value = -priority if engine == "sglang" else priority
-    start = payload.index(b"{") + 1
-    comma = b"" if payload[start:].lstrip().startswith(b"}") else b","
-    return b'%b"priority":%d%b%b' % (payload[:start], value, comma, payload[start:])
-
-
-def with_usage_requested(body: dict[str, Any]) -> dict[str, Any]:
-    """The same streaming request, asking the worker for a final usage chunk.
-
-    The router needs exact token counts for every turn; when the client did not ask for usage
-    the relay drops that chunk again before it reaches the client.
-    """
-    out = dict(body)
-    options = dict(out.get("stream_options") or {})
-    options["include_usage"] = True
-    out["stream_options"] = options
-    return out
-
-
-def vllm_prefill_leg(body: dict[str, Any]) -> dict[str, Any]:
+def prefill_leg(body: dict[str, Any]) -> dict[str, Any]:
     """NixlConnector prefill leg: non-streaming, one token, asks the worker to hold the KV."""
     leg = {key: value for key, value in body.items() if key not in _PREFILL_DROPPED}
     leg["stream"] = False
@@ -72,7 +46,7 @@ def vllm_prefill_leg(body: dict[str, Any]) -> dict[str, Any]:
     return leg
 
 
-def vllm_decode_leg(body: dict[str, Any], transfer_params: dict[str, Any] | None) -> dict[str, Any]:
+def decode_leg(body: dict[str, Any], transfer_params: dict[str, Any] | None) -> dict[str, Any]:
     """The client's own request plus the prefill worker's `kv_transfer_params` (opaque).
 
     Without params (the prefill ended for another reason than the length cap) the decode
@@ -84,18 +58,6 @@ def vllm_decode_leg(body: dict[str, Any], transfer_params: dict[str, Any] | None
     else:
         leg.pop("kv_transfer_params", None)
     return leg
-
-
-def sglang_legs(
-    body: dict[str, Any], prefill_host: str, bootstrap_port: int | None, rng: random.Random
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """SGLang bootstrap: the same body to both servers, with one random 63-bit room."""
-    room = rng.getrandbits(63)
-    leg = dict(body)
-    leg["bootstrap_host"] = prefill_host
-    leg["bootstrap_port"] = bootstrap_port
-    leg["bootstrap_room"] = room
-    return leg, dict(leg)
 
 
 class PrefillReply(msgspec.Struct):

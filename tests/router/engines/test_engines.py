@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from router.engines import adapters
+from router.engines import leg_body, sglang, vllm
 
 CLIENT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True,
           "stream_options": {"include_usage": True}, "max_tokens": 50,
@@ -15,7 +15,7 @@ CLIENT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream
 
 
 def test_vllm_prefill_leg() -> None:
-    leg = adapters.vllm_prefill_leg(CLIENT)
+    leg = vllm.prefill_leg(CLIENT)
     assert leg == {
         "model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": False,
         "max_tokens": 1, "max_completion_tokens": 1, "temperature": 0.2,
@@ -23,19 +23,19 @@ def test_vllm_prefill_leg() -> None:
                                "remote_engine_id": None, "remote_block_ids": None,
                                "remote_host": None, "remote_port": None},
     }  # fmt: skip
-    without = adapters.vllm_prefill_leg({"prompt": "x", "max_tokens": 9})
+    without = vllm.prefill_leg({"prompt": "x", "max_tokens": 9})
     assert "max_completion_tokens" not in without  # only set when the client sent it
 
 
 def test_vllm_decode_leg_passes_the_params_through_unchanged() -> None:
     params = {"do_remote_prefill": True, "remote_block_ids": [[1, 2], [3]], "opaque": {"x": 1}}
-    leg = adapters.vllm_decode_leg(CLIENT, params)
+    leg = vllm.decode_leg(CLIENT, params)
     assert leg == {**CLIENT, "kv_transfer_params": params}
-    assert "kv_transfer_params" not in adapters.vllm_decode_leg(CLIENT, None)
+    assert "kv_transfer_params" not in vllm.decode_leg(CLIENT, None)
 
 
 def test_sglang_legs_are_identical_with_one_room() -> None:
-    prefill, decode = adapters.sglang_legs(CLIENT, "10.0.0.1", 8998, random.Random(1))
+    prefill, decode = sglang.legs(CLIENT, "10.0.0.1", 8998, random.Random(1))
     assert prefill == decode
     assert prefill["bootstrap_host"] == "10.0.0.1" and prefill["bootstrap_port"] == 8998
     assert 0 <= prefill["bootstrap_room"] < 2**63
@@ -43,16 +43,16 @@ def test_sglang_legs_are_identical_with_one_room() -> None:
 
 
 def test_usage_is_requested_without_losing_client_options() -> None:
-    body = adapters.with_usage_requested({"stream": True, "stream_options": {"x": 1}})
+    body = leg_body.with_usage_requested({"stream": True, "stream_options": {"x": 1}})
     assert body["stream_options"] == {"x": 1, "include_usage": True}
 
 
 def test_prefill_token_becomes_the_first_stream_frames() -> None:
-    reply = adapters.parse_prefill_reply(
+    reply = vllm.parse_prefill_reply(
         b'{"id": "chatcmpl-7", "created": 5, "model": "m", "choices": [{"index": 0,'
         b' "message": {"role": "assistant", "content": "Hello"}}], "kv_transfer_params": {}}'
     )
-    frames = adapters.first_token_frames(reply, chat=True).split(b"\n\n")
+    frames = vllm.first_token_frames(reply, chat=True).split(b"\n\n")
     assert frames[0].startswith(b"data: ") and b'"role":"assistant"' in frames[0]
     assert b'"delta":{"content":"Hello"}' in frames[1] and b'"id":"chatcmpl-7"' in frames[1]
 
@@ -74,7 +74,7 @@ def test_the_prefill_reply_says_what_its_worker_found_cached(
     usage: dict[str, object] | None, cached: int | None
 ) -> None:
     raw = json.dumps({"choices": [], "usage": usage}).encode()
-    assert adapters.parse_prefill_reply(raw).cached_tokens == cached
+    assert vllm.parse_prefill_reply(raw).cached_tokens == cached
 
 
 @pytest.mark.parametrize(
@@ -94,6 +94,6 @@ def test_the_prefill_reply_says_what_its_worker_found_cached(
 def test_a_due_priority_is_spliced_into_the_body(
     payload: bytes, engine: str, expected: dict[str, object]
 ) -> None:
-    out = adapters.with_priority(payload, 1700000002500, engine)
+    out = leg_body.with_priority(payload, 1700000002500, engine)
     assert json.loads(out) == expected
     assert out.endswith(payload[payload.index(b"{") + 1 :])  # the rest stays byte for byte
