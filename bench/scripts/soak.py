@@ -4,7 +4,10 @@ router's resident memory and open file descriptors sampled every `--sample-s` se
 Starts simulated workers and a router (`session-router up`'s stack), keeps `--sessions`
 conversations streaming (each `--turns` turns, then a new session takes its place), and
 writes a report: the samples, the first-to-last growth after a warm-up, requests by outcome.
-Flat RSS and fds over a long run show every cache is bounded.
+Flat RSS and fds over a long run show every cache is bounded; every new session adds to the
+per-session caches until they reach their bounds (the local view's `session_cache_size`,
+100,000 sessions, and session TTL; adaptive's per-session tables, `MAX_TRACKED_REQUESTS`), so
+`--session-pool N` keeps the population of sessions steady, as returning users do.
 
     python -m bench.scripts.soak --minutes 30 --out bench-out/soak
 """
@@ -60,11 +63,13 @@ def open_fds(pid: int) -> int:
 
 async def _conversation(
     http: aiohttp.ClientSession, url: str, model: str, turns: int, soak: Soak,
-    ids: itertools.count[int],
+    ids: itertools.count[int], population: int,
 ) -> None:  # fmt: skip
-    """Sessions one after another, each `turns` streamed turns carrying the earlier answers."""
+    """Sessions one after another, each `turns` streamed turns carrying the earlier answers;
+    with a `population`, session ids come back (users who return and start over)."""
     while True:
-        session = f"soak-{next(ids)}"
+        n = next(ids)
+        session = f"soak-{n % population if population else n}"
         messages: list[dict[str, str]] = [{"role": "system", "content": "You are terse. " * 20}]
         for turn in range(turns):
             messages.append({"role": "user", "content": f"question {turn} " * 30})
@@ -83,7 +88,9 @@ async def _conversation(
             messages.append({"role": "assistant", "content": f"answer of {len(answer)} frames"})
 
 
-async def soak(minutes: float, sessions: int, turns: int, sample_s: float) -> Soak:
+async def soak(
+    minutes: float, sessions: int, turns: int, sample_s: float, population: int = 0
+) -> Soak:
     cluster = ClusterSpec(4, "h200-sxm", "llama-3.1-8b")
     params = policy_params("adaptive", {}, cluster)
     spec = StackSpec(cluster, tuple(worker_roles("adaptive", 4, 1)), "adaptive",
@@ -96,7 +103,7 @@ async def soak(minutes: float, sessions: int, turns: int, sample_s: float) -> So
         async with aiohttp.ClientSession(timeout=timeout) as http:
             ids = itertools.count()
             clients = [asyncio.create_task(_conversation(http, stack.url, stack.model, turns,
-                                                         result, ids))
+                                                         result, ids, population))
                        for _ in range(sessions)]  # fmt: skip
             started = time.monotonic()
             try:
@@ -139,11 +146,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--sessions", type=int, default=16, help="conversations at once")
     parser.add_argument("--turns", type=int, default=6, help="turns per conversation")
+    parser.add_argument(
+        "--session-pool",
+        type=int,
+        default=0,
+        help="distinct session ids, reused in turn (0: every session new)",
+    )
     parser.add_argument("--sample-s", type=float, default=10.0)
     parser.add_argument("--warmup-s", type=float, default=60.0)
     parser.add_argument("--out", type=Path, default=Path("bench-out/soak"))
     args = parser.parse_args(argv)
-    result = asyncio.run(soak(args.minutes, args.sessions, args.turns, args.sample_s))
+    result = asyncio.run(
+        soak(args.minutes, args.sessions, args.turns, args.sample_s, args.session_pool)
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     text = report(result, args.warmup_s)
     (args.out / "report.md").write_text(text)
