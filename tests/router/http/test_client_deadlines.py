@@ -10,44 +10,24 @@ from collections.abc import AsyncIterator
 import pytest
 
 from router.http.client import UpstreamPool, UpstreamTimeout
+from tests.raw_server import RawServer, chunk
 
 WAIT_S = 5.0  # the longest any test waits for something to happen
 STREAM_HEAD = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
                b"Transfer-Encoding: chunked\r\n\r\n")  # fmt: skip
 
 
-def chunk(data: bytes) -> bytes:
-    return b"%x\r\n%b\r\n" % (len(data), data)
-
-
-class Stalling:
+class Stalling(RawServer):
     """Answers each request with `sent` (bytes, then a pause of `pause_s`, then more bytes...)
     and then says nothing until the client closes the connection."""
 
     def __init__(self, *sent: bytes | float) -> None:
+        super().__init__()
         self.sent = sent
         self.closed = asyncio.Event()  # a client closed its connection
         self.requests = 0
-        self._server: asyncio.Server | None = None
-        self._writers: list[asyncio.StreamWriter] = []
-
-    @property
-    def url(self) -> str:
-        assert self._server is not None
-        return f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
-
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-
-    async def stop(self) -> None:
-        for writer in self._writers:
-            writer.close()
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._writers.append(writer)
         try:
             await reader.readuntil(b"\r\n\r\n")
             self.requests += 1

@@ -18,6 +18,7 @@ import pytest
 
 from router.config import RouterConfig, WorkerSpec, add_serve_options, load_config
 from router.turn.legs import LegTimeouts
+from tests.raw_server import RawServer, chunk
 from tests.router.turn.fake_upstream import WAIT_S, Stack, spec
 
 Mode = Literal["silent", "head", "frames"]
@@ -34,42 +35,22 @@ METRICS = (b"vllm:num_requests_running{engine=\"0\"} 0\nvllm:num_requests_waitin
 MODELS = b'{"object":"list","data":[{"id":"m","object":"model","owned_by":"vllm"}]}'
 
 
-def chunk(data: bytes) -> bytes:
-    return b"%x\r\n%b\r\n" % (len(data), data)
-
-
-class NeverFinishes:
+class NeverFinishes(RawServer):
     """A worker on 127.0.0.1 that answers GET /metrics, /v1/models and /health like vLLM but
     never finishes a generation request: `mode` "silent" sends nothing, "head" a stream's
     head only, "frames" the head, a role frame and one content frame (" x0"). It waits for
     the caller to close the connection and counts that (`cancelled`)."""
 
     def __init__(self, name: str, mode: Mode = "silent") -> None:
+        super().__init__()
         self.name = name
         self.mode = mode
         self.posts = 0
         self.cancelled = 0
         self._cancel = asyncio.Event()
-        self._server: asyncio.Server | None = None
-        self._writers: list[asyncio.StreamWriter] = []
-
-    @property
-    def url(self) -> str:
-        assert self._server is not None
-        return f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
 
     def spec(self, role: str = "mixed") -> WorkerSpec:
         return msgspec.convert({"url": self.url, "role": role, "id": self.name}, WorkerSpec)
-
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-
-    async def stop(self) -> None:
-        for writer in self._writers:
-            writer.close()
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
 
     async def wait_cancelled(self) -> None:
         """Until a caller closed a generation request's connection (TimeoutError past WAIT_S)."""
@@ -77,7 +58,6 @@ class NeverFinishes:
             await self._cancel.wait()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._writers.append(writer)
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
