@@ -92,6 +92,12 @@ _AT_PATH = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
 
 def decode_routing_fields(raw: bytes, chat: bool) -> RoutingFields:
     """The routing fields of a request body; RouterError 400 naming the field otherwise."""
+    return decode_turn_body(raw, chat)[0]
+
+
+def decode_turn_body(raw: bytes, chat: bool) -> tuple[RoutingFields, dict[str, Any]]:
+    """The routing fields of a request body and the body itself, decoded once (the legs
+    re-encode it); RouterError 400 naming the field otherwise."""
     try:
         body = _decode(raw)
     except RecursionError as exc:
@@ -106,6 +112,8 @@ def decode_routing_fields(raw: bytes, chat: bool) -> RoutingFields:
             400, f"`{name}` is set by the router for its handoffs; a request may not carry it",
             name,
         )  # fmt: skip
+    whole = body
+    body = dict(whole)  # what is converted: the forwarded body stays as the client sent it
     # The other endpoint's field is not read, only forwarded; a prompt is checked on its own
     # (it may hold many thousands of token ids).
     other = body.pop("prompt" if chat else "messages", None)
@@ -129,7 +137,7 @@ def decode_routing_fields(raw: bytes, chat: bool) -> RoutingFields:
         raise RouterError(
             400, "Stream options can only be defined when `stream=True`.", "stream_options"
         )
-    return fields
+    return fields, whole
 
 
 def _invalid(error: msgspec.ValidationError) -> RouterError:

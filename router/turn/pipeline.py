@@ -36,7 +36,7 @@ from router.turn.execute import Executor
 from router.turn.fields import (
     TokenEstimator,
     checked_header_id,
-    decode_routing_fields,
+    decode_turn_body,
     session_identity,
     text_size,
     trace_headers,
@@ -161,7 +161,7 @@ class TurnPipeline:
         """The turn, validated: `request_id` is the router's id for it, `echo_id` the one the
         client gets back (its own X-Request-Id where it sent one)."""
         raw = request.body  # the server already refused bodies over --max-body-bytes (413)
-        fields = decode_routing_fields(raw, chat)
+        fields, body = decode_turn_body(raw, chat)
         models = self._pool.model_names()
         if fields.model is not None and models and fields.model not in models:
             raise RouterError(404, f"The model `{fields.model[:256]}` does not exist.", "model")
@@ -198,7 +198,7 @@ class TurnPipeline:
         authorization = request.headers.get("authorization")
         if self._config.forward_auth and authorization is not None:
             headers["Authorization"] = authorization
-        return TurnContext(writer=writer, chat=chat, raw=raw, fields=fields,
+        return TurnContext(writer=writer, chat=chat, raw=raw, fields=fields, _body=body,
                            session_id=session_id, request_id=echo_id, turn=turn,
                            record=record, events=events, headers=headers,
                            prompt_chars=chars if id_count is None else 0)  # fmt: skip
