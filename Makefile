@@ -5,7 +5,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TYPED := router policies sim bench experiments session_router_cli.py
 
-.PHONY: test lint typecheck unit e2e slow faults suite plugin-test demo install native clean
+.PHONY: test lint typecheck unit e2e slow faults suite plugin-test demo install native clean \
+	real-engines test-real
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -52,7 +53,18 @@ faults: native
 	$(BIN)/python -m pytest -q -s -m faults $(PYTEST_ARGS)
 
 suite: native
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not real_engine" $(PYTEST_ARGS)
+
+# real vLLM engines (CPU build) with NIXL, in their own virtualenv, and a tiny model built here
+# without any hub (bench/vllm/install.py); quick when already done
+VLLM_VENV := .venv-vllm
+real-engines: $(STAMP)
+	$(BIN)/python -m bench.vllm.install --venv $(VLLM_VENV)
+
+# the router in front of real vLLM engines (tests/real_engine)
+test-real: real-engines native
+	SESSION_ROUTER_VLLM_VENV=$(VLLM_VENV) $(BIN)/python -m pytest -q -s -m real_engine \
+		tests/real_engine $(PYTEST_ARGS)
 
 # the example policy plugin, installed (its entry point) and tested with policies.testing
 plugin-test: $(PLUGIN_STAMP)

@@ -18,6 +18,7 @@ from bench.results.summary import Objectives
 
 if TYPE_CHECKING:
     from bench.traces.model import Trace
+    from policies.types import Role
 
 _SUB = "session-router"
 
@@ -216,21 +217,53 @@ def _compare_command(args: argparse.Namespace) -> int:
 
 
 # -- up and demo ------------------------------------------------------------------------------
+def _up_roles(args: argparse.Namespace, policy: str) -> list[Role]:
+    """`--prefill/--decode/--mixed` as given, else the bench's layout for the policy."""
+    from bench.compare import roles_for
+
+    counts = (args.prefill, args.decode, args.mixed)
+    if any(count is not None for count in counts):
+        prefill, decode, mixed = (count or 0 for count in counts)
+        if min(prefill, decode, mixed) < 0 or prefill + decode + mixed < 1:
+            raise ValueError("--prefill, --decode and --mixed must add up to at least 1 worker")
+        if (prefill == 0) != (decode == 0) and mixed == 0:
+            raise ValueError("a split fleet needs both --prefill and --decode workers")
+        roles: list[Role] = ["prefill"] * prefill
+        return roles + ["decode"] * decode + ["mixed"] * mixed
+    workers = args.workers if args.workers is not None else (2 if args.engine == "vllm" else 4)
+    return roles_for(policy, workers, args.prefill_workers)
+
+
 def _up_command(args: argparse.Namespace) -> int:
     import uvloop
 
-    from bench.compare import roles_for
     from bench.stack.layout import ClusterSpec
-    from bench.stack.up import StackSpec, policy_params, run_up
+    from bench.stack.up import RealEngines, StackSpec, policy_params, run_up
+    from bench.vllm.install import DEFAULT_CACHE, DEFAULT_VENV
     from policies import available_policies, parse_param_assignments
 
     policy = args.policy or ("adaptive" if "adaptive" in available_policies() else "colocate")
     try:
-        cluster = ClusterSpec(args.workers, args.gpu, args.model, args.tp)
+        roles = _up_roles(args, policy)
+        real = None
+        if args.engine == "vllm":
+            model_dir = Path(args.model or DEFAULT_CACHE / "tiny-llama-seed0").resolve()
+            if not (model_dir / "config.json").exists():
+                raise ValueError(f"no model at {model_dir} (`make real-engines` builds one)")
+            venv = Path(args.vllm_venv or DEFAULT_VENV)
+            if not (venv / "bin" / "vllm").exists():
+                raise ValueError(f"no vLLM in {venv}: run `make real-engines`")
+            real = RealEngines(model_dir=str(model_dir), venv=str(venv),
+                               work_dir=args.engine_dir, num_gpu_blocks=args.num_gpu_blocks,
+                               max_num_seqs=args.max_num_seqs)  # fmt: skip
+            cluster = ClusterSpec(len(roles), args.gpu or "cpu", "tiny-llama", args.tp)
+        else:
+            cluster = ClusterSpec(len(roles), args.gpu or "h200-sxm",
+                                  args.model or "llama-3.1-8b", args.tp)  # fmt: skip
         params = policy_params(policy, parse_param_assignments(args.policy_param), cluster)
         spec = StackSpec(
             cluster=cluster,
-            roles=tuple(roles_for(policy, args.workers, args.prefill_workers)),
+            roles=tuple(roles),
             policy=policy,
             policy_params=tuple(sorted(params.items())),
             host=args.host,
@@ -240,6 +273,10 @@ def _up_command(args: argparse.Namespace) -> int:
             admin_token=args.admin_token,
             events=args.events,
             seed=args.seed,
+            scheduling_policy=args.scheduling_policy,
+            engine=args.engine,
+            real=real,
+            log_dir=args.engine_dir if real is not None else None,
         )
     except ValueError as exc:
         raise SystemExit(f"{_SUB} up: {exc}") from exc
@@ -307,21 +344,51 @@ def register_bench(bench: Any) -> None:
 
 def register_top(subparsers: Any) -> None:
     up = subparsers.add_parser(
-        "up", help="run simulated workers and a router locally until Ctrl-C",
-        description="A local simulated cluster and a router with embedded Redis.",
+        "up", help="run workers (simulated, or real vLLM engines) and a router until Ctrl-C",
+        description="A local cluster and a router with embedded Redis: simulated workers "
+                    "(--engine sim), or real vLLM engines with NIXL handoffs between them "
+                    "(--engine vllm, after `make real-engines`).",
     )  # fmt: skip
     add = up.add_argument
-    add("--workers", type=int, default=4)
-    add("--prefill-workers", type=int, default=None, metavar="K",
-        help="prefill workers when the policy splits (default: a quarter)")  # fmt: skip
+    add("--engine", choices=["sim", "vllm"], default="sim",
+        help="simulated workers or real vLLM engines (default: %(default)s)")  # fmt: skip
+    add("--prefill", type=int, default=None, metavar="N", help="prefill workers")
+    add("--decode", type=int, default=None, metavar="N", help="decode workers")
+    add("--mixed", type=int, default=None, metavar="N", help="mixed (whole-turn) workers")
+    add("--workers", type=int, default=None,
+        help="without --prefill/--decode/--mixed: this many, laid out for the policy "
+             "(default: 4 simulated, 2 real)")  # fmt: skip
+    add(
+        "--prefill-workers",
+        type=int,
+        default=None,
+        metavar="K",
+        help="with --workers, prefill workers when the policy splits (default: a quarter)",
+    )
     add("--policy", default=None, help="default: adaptive if available, else colocate")
     add("--policy-param", action="append", default=[], metavar="KEY=VALUE")
     add("--host", default="127.0.0.1")
-    add("--port", type=int, default=8000, help="router port")
+    add("--port", type=int, default=8000, help="router port (default: %(default)s)")
     add("--worker-base-port", type=int, default=None, help="default: a free block")
-    add("--gpu", default="h200-sxm")
-    add("--model", default="llama-3.1-8b")
+    add("--gpu", default=None,
+        help="hardware preset for the simulator and the policy's priors "
+             "(default: h200-sxm simulated, cpu real)")  # fmt: skip
+    add("--model", default=None,
+        help="simulated: a model preset (default llama-3.1-8b); real: the model folder "
+             "(default: the tiny model `make real-engines` builds)")  # fmt: skip
     add("--tp", type=int, default=1)
+    add("--scheduling-policy", choices=["fcfs", "priority"], default="priority",
+        help="the workers' scheduling policy (default: %(default)s)")  # fmt: skip
+    add("--vllm-venv", default=None, help="real engines' virtualenv (default: .venv-vllm)")
+    add("--engine-dir", default="bench-out/engines",
+        help="real engines' caches and logs (default: %(default)s)")  # fmt: skip
+    add(
+        "--num-gpu-blocks",
+        type=int,
+        default=None,
+        help="real engines: KV blocks per engine (vLLM's --num-gpu-blocks-override)",
+    )
+    add("--max-num-seqs", type=int, default=None, help="real engines: running sequences cap")
     add("--first-token", choices=["decode", "prefill"], default="decode")
     add("--admin-token", default=None, help="default: a random token, printed")
     add("--events", default=None, metavar="FILE", help="the router's stage events file")

@@ -44,6 +44,8 @@ E2E_PATHS = (
     "tests/experiments/test_live_acceptance.py",
     "tests/test_install_extras.py",
 )
+# real vLLM engines (`make test-real`, after `make real-engines`): not in `make test`
+REAL_ENGINE_PATHS = ("tests/real_engine/",)
 SLOW_PATHS = (
     "tests/policies/test_properties.py",
     "tests/policies/adaptive/test_properties.py",
@@ -59,5 +61,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.e2e)
         if path.startswith(SLOW_PATHS):
             item.add_marker(pytest.mark.slow)
-        if item.get_closest_marker("e2e") is None and item.get_closest_marker("slow") is None:
+        if path.startswith(REAL_ENGINE_PATHS):
+            item.add_marker(pytest.mark.real_engine)
+        elif item.get_closest_marker("e2e") is None and item.get_closest_marker("slow") is None:
             item.add_marker(pytest.mark.unit)

@@ -6,6 +6,11 @@ sim-cluster` (the workers, on consecutive ports, sharing one modelled fabric) an
 process group so that a terminal's Ctrl-C reaches only the parent, which then stops the router
 first (turns in flight finish, its events file is flushed) and the workers after it. `bench
 compare` starts one fresh stack per policy.
+
+With `engine="vllm"` the workers are real vLLM engines (`bench.vllm.fleet`) serving a model
+folder, with NIXL between them. Those busy-poll: they and the router then stay in the parent's
+session, where an engine cannot starve the router for seconds at a time as it does from a
+session of its own.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import msgspec
 
 from bench.results.summary import FirstTokenConvention
 from bench.stack.layout import ClusterSpec, hardware_params
+from bench.vllm.fleet import FleetSpec, VllmFleet, kv_bytes_per_token
 from policies import create_policy
 from policies.types import Role
 from sim.engine.presets import deployment_from_names
@@ -35,6 +41,18 @@ from sim.engine.presets import deployment_from_names
 _T = TypeVar("_T")
 
 _CLI = (sys.executable, "-m", "session_router_cli")
+
+
+class RealEngines(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Real vLLM workers: the model folder they serve, the virtualenv `make real-engines`
+    made, a folder for their caches and logs, and engine options."""
+
+    model_dir: str
+    venv: str = ".venv-vllm"
+    work_dir: str = "bench-out/engines"
+    num_gpu_blocks: int | None = None
+    max_num_seqs: int | None = None
+    startup_timeout_s: float = 300.0
 
 
 class StackSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -59,10 +77,14 @@ class StackSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # a policy gives due times to are admitted in the order they are due (as the simulator's)
     scheduling_policy: Literal["fcfs", "priority"] = "priority"
     router_args: tuple[str, ...] = ()  # more `serve` options, as given
+    engine: Literal["sim", "vllm"] = "sim"
+    real: RealEngines | None = None  # with engine="vllm"
 
     def __post_init__(self) -> None:
         if len(self.roles) != self.cluster.workers:
             raise ValueError(f"{len(self.roles)} roles for {self.cluster.workers} workers")
+        if (self.engine == "vllm") != (self.real is not None):
+            raise ValueError("engine 'vllm' takes real-engine options (and only it does)")
 
 
 def policy_params(policy: str, given: dict[str, str], cluster: ClusterSpec) -> dict[str, str]:
@@ -109,8 +131,11 @@ def _all_bindable(host: str, ports: range) -> bool:
 
 
 class _Child:
-    def __init__(self, name: str, args: Sequence[str], log_dir: str | None) -> None:
+    def __init__(
+        self, name: str, args: Sequence[str], log_dir: str | None, new_session: bool = True
+    ) -> None:
         self.name = name
+        self.new_session = new_session
         self.args = [*_CLI, *args]
         self.log: Path | None = Path(log_dir) / f"{name}.log" if log_dir else None
         self._log_file: IO[bytes] | None = None
@@ -123,7 +148,7 @@ class _Child:
         self.process = await asyncio.create_subprocess_exec(
             *self.args, stdin=asyncio.subprocess.DEVNULL, stdout=self._log_file,
             stderr=asyncio.subprocess.STDOUT if self._log_file else None,
-            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=self.new_session, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )  # fmt: skip
 
     def exited(self) -> bool:
@@ -158,18 +183,25 @@ class _PortTaken(RuntimeError):
 
 
 class LocalStack:
-    """A `sim-cluster` and a `serve` child process; use `async with LocalStack(spec) as s:`."""
+    """The workers (a `sim-cluster` child, or real vLLM engines) and a `serve` child process;
+    use `async with LocalStack(spec) as s:`."""
 
     def __init__(self, spec: StackSpec) -> None:
         self.spec = spec
         self.admin_token = spec.admin_token or uuid.uuid4().hex
         cluster = spec.cluster
-        self._deployment = deployment_from_names(cluster.gpu, cluster.model, cluster.tp)
-        self.model = self._deployment.model.name
+        if spec.real is not None:
+            self.model = spec.real.model_dir  # vLLM's model id is the path it was given
+            self._kv_bytes_per_token = kv_bytes_per_token(spec.real.model_dir)
+        else:
+            deployment = deployment_from_names(cluster.gpu, cluster.model, cluster.tp)
+            self.model = deployment.model.name
+            self._kv_bytes_per_token = deployment.kv_bytes_per_token
+        self._fleet: VllmFleet | None = None
         self._plan()
 
     def _plan(self) -> None:
-        """The two children on the spec's ports, or on ports free right now."""
+        """The children on the spec's ports, or on ports free right now."""
         spec, host, cluster = self.spec, self.spec.host, self.spec.cluster
         base = spec.worker_base_port or free_port_block(host, cluster.workers)
         self.port = spec.port or free_port_block(host, 1)
@@ -181,11 +213,21 @@ class LocalStack:
             "--tp", str(cluster.tp), "--seed", str(spec.seed),
             "--scheduling-policy", spec.scheduling_policy,
         ], spec.log_dir)  # fmt: skip
+        if spec.real is not None:
+            self._fleet = VllmFleet(
+                FleetSpec(
+                    model=spec.real.model_dir, roles=spec.roles, base_port=base,
+                    side_channel_base=free_port_block(host, cluster.workers), host=host,
+                    scheduling_policy=spec.scheduling_policy,
+                    num_gpu_blocks=spec.real.num_gpu_blocks, max_num_seqs=spec.real.max_num_seqs,
+                ),
+                Path(spec.real.venv), Path(spec.log_dir or spec.real.work_dir),
+            )  # fmt: skip
         router = ["serve", "--host", host, "--port", str(self.port), "--redis", "embedded",
                   "--policy", spec.policy, "--first-token", spec.first_token,
                   "--admin-token", self.admin_token,
                   "--scrape-interval-ms", str(spec.scrape_interval_ms),
-                  "--kv-bytes-per-token", str(self._deployment.kv_bytes_per_token)]  # fmt: skip
+                  "--kv-bytes-per-token", str(self._kv_bytes_per_token)]  # fmt: skip
         for key, value in spec.policy_params:
             router += ["--policy-param", f"{key}={value}"]
         if spec.events is not None:
@@ -195,7 +237,12 @@ class LocalStack:
         for role, url in zip(spec.roles, self.worker_urls, strict=True):
             router += [f"--{role}", url]
         router += spec.router_args
-        self._router = _Child("router", router, spec.log_dir)
+        self._router = _Child("router", router, spec.log_dir, new_session=self._fleet is None)
+
+    @property
+    def fleet(self) -> VllmFleet | None:
+        """The real engines, where the stack runs them."""
+        return self._fleet
 
     @property
     def router_pid(self) -> int | None:
@@ -228,10 +275,14 @@ class LocalStack:
     async def _start_once(self) -> None:
         try:
             async with aiohttp.ClientSession() as session:
-                await self._sim.start()
-                await self._wait_ready(
-                    session, self._sim, [f"{u}/health" for u in self.worker_urls]
-                )
+                if self._fleet is not None:
+                    assert self.spec.real is not None
+                    await asyncio.to_thread(self._fleet.start, self.spec.real.startup_timeout_s)
+                else:
+                    await self._sim.start()
+                    await self._wait_ready(
+                        session, self._sim, [f"{u}/health" for u in self.worker_urls]
+                    )
                 await self._router.start()
                 await self._wait_ready(session, self._router, [f"{self.url}/ready"])
         except BaseException:
@@ -264,23 +315,49 @@ class LocalStack:
 
     async def wait_exit(self) -> str:
         """Wait until a child process exits; returns its name."""
-        waits = {
-            asyncio.ensure_future(process.wait()): child
+        waits: dict[asyncio.Future[Any], str] = {
+            asyncio.ensure_future(process.wait()): child.name
             for child in (self._router, self._sim)
             if (process := child.process) is not None
         }
+        if self._fleet is not None:
+            waits[asyncio.ensure_future(self._engine_exit(self._fleet))] = "engine"
         try:
             done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for future in waits:
                 future.cancel()
-        return waits[next(iter(done))].name
+        return waits[next(iter(done))]
+
+    @staticmethod
+    async def _engine_exit(fleet: VllmFleet) -> None:
+        """Until an engine's API server exits: its pidfd turns readable then."""
+        loop = asyncio.get_running_loop()
+        exited: asyncio.Future[None] = loop.create_future()
+        fds = [os.pidfd_open(e.process.pid) for e in fleet.engines if e.process is not None]
+
+        def on_exit() -> None:
+            if not exited.done():
+                exited.set_result(None)
+
+        try:
+            for fd in fds:
+                loop.add_reader(fd, on_exit)
+            if fleet.exited():
+                return
+            await exited
+        finally:
+            for fd in fds:
+                loop.remove_reader(fd)
+                os.close(fd)
 
     async def stop(self) -> None:
         """Router first (turns in flight finish, events are flushed), then the workers."""
         try:
             await self._router.stop()
         finally:
+            if self._fleet is not None:
+                await asyncio.to_thread(self._fleet.stop)
             await self._sim.stop()
 
 

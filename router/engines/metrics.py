@@ -16,7 +16,13 @@ class EngineMetrics(msgspec.Struct, frozen=True):
     # Series with different values of this label are different schedulers (summed); series
     # with the same value are copies of one scheduler's numbers (max taken).
     replica_label: str
+    # Cumulative KV pulls on the worker that pulls (the decode side): their number, seconds
+    # and bytes; empty where the engine does not export them.
+    pulls: tuple[str, ...] = ()
+    pull_seconds: tuple[str, ...] = ()
+    pull_bytes: tuple[str, ...] = ()
 
     @property
     def groups(self) -> tuple[tuple[str, ...], ...]:
-        return (self.running, self.waiting, self.kv_usage, self.prefix_hits, self.prefix_queries)
+        return (self.running, self.waiting, self.kv_usage, self.prefix_hits, self.prefix_queries,
+                self.pulls, self.pull_seconds, self.pull_bytes)  # fmt: skip

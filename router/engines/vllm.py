@@ -22,6 +22,10 @@ METRICS = EngineMetrics(
     prefix_hits=("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
     prefix_queries=("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
     replica_label="engine",
+    # NixlConnector's histograms, one observation per transfer, on the pulling engine
+    pulls=("vllm:nixl_xfer_time_seconds_count",),
+    pull_seconds=("vllm:nixl_xfer_time_seconds_sum",),
+    pull_bytes=("vllm:nixl_bytes_transferred_sum",),
 )
 
 # Fields the prefill leg must not carry (vLLM's reference proxy removes them).

@@ -35,7 +35,8 @@ class WorkerLoad(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     `running`/`waiting` are summed over the worker's engines (data-parallel ranks);
     `kv_usage` (0..1) is the fullest engine's. The prefix-cache counters are cumulative
     (tokens on current vLLM; some older releases counted blocks) and None where the engine
-    does not expose them.
+    does not expose them. So are the KV pulls' counters (`pulls` transfers into this worker,
+    taking `pull_seconds` and moving `pull_bytes` in all: vLLM's NIXL metrics).
     """
 
     running: int
@@ -44,6 +45,9 @@ class WorkerLoad(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prefix_hits: int | None
     prefix_queries: int | None
     scraped_at: float
+    pulls: int | None = None
+    pull_seconds: float | None = None
+    pull_bytes: float | None = None
 
 
 # on_update(worker_id, load or None when the scrape failed, healthy)
@@ -70,6 +74,9 @@ def parse_worker_load(text: str, engine: Engine, now: float) -> WorkerLoad:
         raise ValueError(f"no {engine} load metrics in the scraped page (expected {expected})")
     hits = _pick(samples, spec.prefix_hits)
     queries = _pick(samples, spec.prefix_queries)
+    pulls = _pick(samples, spec.pulls)
+    pull_seconds = _pick(samples, spec.pull_seconds)
+    pull_bytes = _pick(samples, spec.pull_bytes)
     return WorkerLoad(
         running=round(_sum_replicas(running, spec.replica_label)),
         waiting=round(_sum_replicas(waiting, spec.replica_label)),
@@ -77,6 +84,9 @@ def parse_worker_load(text: str, engine: Engine, now: float) -> WorkerLoad:
         prefix_hits=None if hits is None else round(_sum_finite(hits)),
         prefix_queries=None if queries is None else round(_sum_finite(queries)),
         scraped_at=now,
+        pulls=None if pulls is None else round(_sum_finite(pulls)),
+        pull_seconds=None if pull_seconds is None else _sum_finite(pull_seconds),
+        pull_bytes=None if pull_bytes is None else _sum_finite(pull_bytes),
     )
 
 

@@ -21,12 +21,13 @@ import socket
 import ssl
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 
 from policies.types import WorkerView
 from router.config import RouterConfig, WorkerSpec
+from router.fleet.pulls import PullMeter
 from router.fleet.telemetry import WorkerLoad
 from router.http import UpstreamPool
 
@@ -73,6 +74,7 @@ class WorkerState:
     times_ejected: int = 0
     ejections: int = 0
     returned_at: float = 0.0  # when it last came back from an ejection
+    pulls: PullMeter = field(default_factory=PullMeter)  # its engine's KV pulls, measured
 
     @property
     def available(self) -> bool:
@@ -168,6 +170,7 @@ class WorkerPool:
             state.load = load
             state.scrape_epoch += 1
             state.started_since_scrape = 0
+            state.pulls.update(load)
 
     def healthy_count(self) -> int:
         """Workers healthy by their scrapes and not ejected."""

@@ -160,20 +160,25 @@ class Executor:
         transfer.release(nbytes, seconds)
 
     def moved(self, ctx: TurnContext, first: float) -> tuple[int, float]:
-        """(bytes, seconds) the decode leg's KV pull took, up to its first token at `first`."""
+        """(bytes, seconds) the decode leg's KV pull took, up to its first token at `first`.
+
+        Engines do not say what one pull moved: the bytes are everything the decode worker did
+        not already hold as this session's resident prefix, and the seconds what its engine's
+        own pull counters measure per byte (`router.fleet.pulls`); before that worker's first
+        measured pull, the decode leg's wait for its first token."""
         events = ctx.events
-        if ctx.reported_transfer is not None:
-            return ctx.reported_transfer
         start = events.transfer_start or first
-        seconds = first - start if first > start else 0.0
+        waited = first - start if first > start else 0.0
         if events.recomputed_tokens:
-            return 0, seconds
-        # Engines do not report what the pull moved: everything the decode worker did not
-        # already hold as this session's resident prefix.
+            return 0, waited
         prompt = ctx.usage.prompt_tokens if ctx.usage else ctx.turn.prompt_tokens
         residency = ctx.record.to_residency() if ctx.record is not None else None
-        moved = tokens_to_move(prompt, residency, ctx.served_by or "")
-        return kv_bytes(moved, self._config.kv_bytes_per_token), seconds
+        decode = ctx.served_by or ""
+        moved = tokens_to_move(prompt, residency, decode)
+        nbytes = kv_bytes(moved, self._config.kv_bytes_per_token)
+        state = self._pool.workers.get(decode)
+        measured = state.pulls.seconds_for(nbytes) if state is not None else None
+        return nbytes, waited if measured is None else measured
 
     async def _decode_fallback(
         self, ctx: TurnContext, failed: str, drop_first: bool

@@ -77,8 +77,6 @@ class TurnContext:
     _reply: bytes | None = field(default=None, repr=False)
     failed_midstream: bool = False
     served_by: str | None = None
-    # what the decode worker reported moving (simulated workers say so in headers)
-    reported_transfer: tuple[int, float] | None = None
     view: ClusterView | None = field(default=None, repr=False)  # the last decision's
     # what its requests carry as `priority` to engines with priority scheduling: when its
     # first token is due (`policies.types.engine_priority`); None: they carry none
@@ -243,10 +241,6 @@ class LegRunner:
             try:
                 if upstream.status != 200:
                     return await self._forward_error(ctx, worker_id, upstream)
-                moved = upstream.headers.get("x-kv-transfer-bytes")
-                if moved is not None:
-                    seconds = float(upstream.headers.get("x-kv-transfer-ms", "0")) / 1000
-                    ctx.reported_transfer = (int(moved), seconds)
                 if ctx.fields.stream:
                     first = b""
                     if not ctx.writer.started:

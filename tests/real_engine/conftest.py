@@ -1,0 +1,166 @@
+"""The real-engine suite's fixtures: three real vLLM engines for the whole session (NIXL
+between them, priority scheduling, at most four running sequences each, so that queues form),
+and routers started per test in front of them as an operator would start one.
+
+`make test-real` installs the engines first (`make real-engines`); the engines start as
+children of this process, in its session (`bench.vllm.engine` says why).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+from bench.stack.up import free_port_block
+from bench.vllm.fleet import FleetSpec, VllmFleet, kv_bytes_per_token
+from bench.vllm.install import DEFAULT_CACHE
+from router.fleet.prom_text import parse_samples
+
+ROOT = Path(__file__).resolve().parents[2]
+VENV = Path(os.environ.get("SESSION_ROUTER_VLLM_VENV", ROOT / ".venv-vllm"))
+MODEL = ROOT / DEFAULT_CACHE / "tiny-llama-seed0"
+HOST = "127.0.0.1"
+ADMIN_TOKEN = "real-engine-suite"
+MAX_NUM_SEQS = 4
+
+
+def _require_install() -> None:
+    missing = [str(p) for p in (VENV / "bin" / "vllm", MODEL / "config.json") if not p.exists()]
+    if missing:
+        pytest.fail(f"missing {', '.join(missing)}: run `make real-engines` first")
+
+
+@pytest.fixture(scope="session")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFleet]:
+    """Three engines, each able to prefill for another or decode what another prefilled."""
+    _require_install()
+    ports = free_port_block(HOST, 6)
+    spec = FleetSpec(
+        model=str(MODEL), roles=("mixed", "mixed", "mixed"), base_port=ports,
+        side_channel_base=ports + 3, scheduling_policy="priority", max_num_seqs=MAX_NUM_SEQS,
+    )  # fmt: skip
+    engines = VllmFleet(spec, VENV, tmp_path_factory.mktemp("engines"))
+    started = time.monotonic()
+    engines.start(timeout_s=600)
+    print(f"\n[real engines] 3 vLLM engines healthy in {time.monotonic() - started:.0f} s")
+    yield engines
+    engines.stop()
+
+
+class Router:
+    """`session-router serve` in front of the given workers, with its own embedded Redis."""
+
+    def __init__(
+        self, workers: Sequence[tuple[str, str]], policy: str, log: Path,
+        params: Sequence[str] = (), extra: Sequence[str] = (),
+    ) -> None:  # fmt: skip
+        self.port = free_port_block(HOST, 1)
+        self.url = f"http://{HOST}:{self.port}"
+        args = [
+            sys.executable, "-m", "session_router_cli", "serve", "--host", HOST,
+            "--port", str(self.port), "--redis", "embedded", "--policy", policy,
+            "--admin-token", ADMIN_TOKEN, "--scrape-interval-ms", "200",
+            "--kv-bytes-per-token", str(kv_bytes_per_token(MODEL)),
+            "--tokenizer", str(MODEL / "tokenizer.json"), "--priority-scheduling",
+            "--allow-policy-import",
+        ]  # fmt: skip
+        for param in params:
+            args += ["--policy-param", param]
+        for role, url in workers:
+            args += [f"--{role}", url]
+        self.log = log
+        self._log = log.open("ab")
+        self.process = subprocess.Popen(
+            [*args, *extra], cwd=ROOT, stdin=subprocess.DEVNULL, stdout=self._log,
+            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )  # fmt: skip
+        self._wait_ready()
+
+    def _wait_ready(self, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"router exited at start:\n{self.log.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/ready", timeout=1) as answer:
+                    if answer.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"router not ready in {timeout_s} s:\n{self.log.read_text()[-3000:]}")
+
+    def admin(self, method: str, path: str) -> object:
+        request = urllib.request.Request(
+            f"{self.url}/admin/{path}", method=method,
+            headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+        )  # fmt: skip
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return json.loads(answer.read() or b"null")
+
+    def decisions(self) -> list[dict[str, object]]:
+        found = self.admin("GET", "decisions?limit=1000")
+        assert isinstance(found, dict | list)
+        records = found.get("decisions", []) if isinstance(found, dict) else found
+        return list(records)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+
+
+@pytest.fixture
+def start_router(tmp_path: Path) -> Iterator[object]:
+    routers: list[Router] = []
+
+    def start(
+        workers: Sequence[tuple[str, str]], policy: str, params: Sequence[str] = (),
+        extra: Sequence[str] = (),
+    ) -> Router:  # fmt: skip
+        router = Router(workers, policy, tmp_path / f"router-{len(routers)}.log", params, extra)
+        routers.append(router)
+        return router
+
+    yield start
+    for router in routers:
+        router.stop()
+
+
+def engine_counters(url: str) -> dict[str, float]:
+    """The prompt-token sources and the NIXL pull counters of an engine's /metrics page."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as answer:
+        page = answer.read().decode()
+    names = frozenset({
+        "vllm:prompt_tokens_by_source_total", "vllm:nixl_bytes_transferred_sum",
+        "vllm:nixl_xfer_time_seconds_count", "vllm:prefix_cache_hits_total",
+    })  # fmt: skip
+    samples = parse_samples(page, names)
+    out: dict[str, float] = {}
+    for labels, value in samples.get("vllm:prompt_tokens_by_source_total", []):
+        out[labels["source"]] = value
+    for name in names - {"vllm:prompt_tokens_by_source_total"}:
+        out[name] = sum(value for _, value in samples.get(name, []))
+    return out
+
+
+def words(seed: int, count: int) -> str:
+    """A prompt of `count` random words, different for every seed (no prefix shared by
+    accident with another test's prompts in the engines' caches)."""
+    rng = random.Random(seed)
+    return " ".join(f"w{rng.randrange(10**6)}" for _ in range(count))
