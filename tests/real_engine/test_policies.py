@@ -10,7 +10,6 @@ import aiohttp
 import msgspec
 import pytest
 
-from bench.vllm.fleet import VllmFleet
 from tests.real_engine.conftest import MODEL, Router, words
 
 StartRouter = Callable[..., Router]
@@ -33,10 +32,10 @@ MIXED = ("mixed", "mixed", "mixed")
     ],
 )
 def test_policy_serves_a_multi_turn_load_to_the_end(
-    fleet: VllmFleet, start_router: StartRouter, policy: str, roles: tuple[str, ...],
+    fleet: list[str], start_router: StartRouter, policy: str, roles: tuple[str, ...],
     params: tuple[str, ...],
 ) -> None:  # fmt: skip
-    router = start_router(list(zip(roles, fleet.urls, strict=True)), policy, params=params)
+    router = start_router(list(zip(roles, fleet, strict=True)), policy, params=params)
 
     async def session(client: aiohttp.ClientSession, index: int) -> list[int]:
         history: list[dict[str, str]] = []

@@ -11,7 +11,6 @@ from typing import Any
 import openai
 import pytest
 
-from bench.vllm.fleet import VllmFleet
 from router.fleet.telemetry import parse_worker_load
 from tests.real_engine.conftest import MODEL, Router, engine_counters, words
 
@@ -30,9 +29,9 @@ def _greedy(**extra: Any) -> dict[str, Any]:
 
 
 def test_colocate_second_turn_hits_the_prefix_cache(
-    fleet: VllmFleet, start_router: StartRouter
+    fleet: list[str], start_router: StartRouter
 ) -> None:
-    router = start_router([("mixed", fleet.urls[0])], "colocate")
+    router = start_router([("mixed", fleet[0])], "colocate")
     client = _client(router, "prefix-hits")
     history = [{"role": "user", "content": words(1, 400)}]
     first = client.chat.completions.create(model=str(MODEL), messages=history, max_tokens=8,
@@ -49,9 +48,9 @@ def test_colocate_second_turn_hits_the_prefix_cache(
 
 
 def test_nixl_handoff_moves_the_prompt_and_gives_the_undivided_text(
-    fleet: VllmFleet, start_router: StartRouter
+    fleet: list[str], start_router: StartRouter
 ) -> None:
-    prefill, decode, whole = fleet.urls
+    prefill, decode, whole = fleet
     router = start_router([("prefill", prefill), ("decode", decode)], "disaggregate")
     prompt = words(3, 700)
     before = engine_counters(decode)
@@ -84,9 +83,9 @@ def test_nixl_handoff_moves_the_prompt_and_gives_the_undivided_text(
 @pytest.mark.parametrize("stream", [True, False])
 @pytest.mark.parametrize("usage", [True, False])
 def test_streams_and_answers_with_usage_as_asked(
-    fleet: VllmFleet, start_router: StartRouter, api: str, stream: bool, usage: bool
+    fleet: list[str], start_router: StartRouter, api: str, stream: bool, usage: bool
 ) -> None:
-    router = start_router([("prefill", fleet.urls[1]), ("decode", fleet.urls[2])],
+    router = start_router([("prefill", fleet[1]), ("decode", fleet[2])],
                           "disaggregate")  # fmt: skip
     client = _client(router, f"wire-{api}-{stream}-{usage}")
     options: dict[str, Any] = _greedy(max_tokens=12)
@@ -121,8 +120,8 @@ def test_streams_and_answers_with_usage_as_asked(
         assert reported[0].completion_tokens == 12
 
 
-def test_load_is_scraped_from_the_real_metric_names(fleet: VllmFleet) -> None:
-    with urllib.request.urlopen(f"{fleet.urls[0]}/metrics", timeout=10) as answer:
+def test_load_is_scraped_from_the_real_metric_names(fleet: list[str]) -> None:
+    with urllib.request.urlopen(f"{fleet[0]}/metrics", timeout=10) as answer:
         page = answer.read().decode()
     load = parse_worker_load(page, "vllm", now=time.time())
     assert load.prefix_queries is not None and load.prefix_hits is not None
@@ -131,9 +130,9 @@ def test_load_is_scraped_from_the_real_metric_names(fleet: VllmFleet) -> None:
 
 
 def test_engine_errors_pass_through_with_their_status(
-    fleet: VllmFleet, start_router: StartRouter
+    fleet: list[str], start_router: StartRouter
 ) -> None:
-    router = start_router([("mixed", fleet.urls[0])], "colocate")
+    router = start_router([("mixed", fleet[0])], "colocate")
     client = _client(router, "errors")
     with pytest.raises(openai.BadRequestError) as too_long:
         client.completions.create(model=str(MODEL), prompt=words(6, 5000), max_tokens=4)
