@@ -9,7 +9,7 @@ from typing import Any
 
 from sim.engine.engine import EngineConfig
 from sim.engine.presets import GPUS, MODELS, deployment_from_names
-from sim.worker.server import WorkerOptions
+from sim.worker.server import VLLM_VERSIONS, WorkerOptions
 
 STEP_TIMER_SWITCH_INTERVAL_S = 0.0002
 
@@ -20,6 +20,9 @@ def add_worker_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu", default="h200-sxm", choices=sorted(GPUS))
     parser.add_argument("--model", default="llama-3.1-8b", choices=sorted(MODELS))
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    parser.add_argument(
+        "--block-size", type=int, default=16, help="as vLLM's: tokens per KV-cache block"
+    )
     parser.add_argument(
         "--chunked-prefill", type=int, default=None, metavar="N",
         help="prefill at most N tokens of a request per step (default: whole prompts)",
@@ -41,6 +44,11 @@ def add_worker_options(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument(
+        "--vllm-version", choices=VLLM_VERSIONS, default="0.32",
+        help="the vLLM whose wire to speak: 0.32 as observed, or legacy (priority refused "
+        "without priority scheduling, flat remote_block_ids, pulled KV counted as cached)",
+    )  # fmt: skip
+    parser.add_argument(
         "--kv-hold-timeout-s", type=float, default=480.0,
         help="free a prefill leg's held KV blocks after this long if never pulled",
     )  # fmt: skip
@@ -49,7 +57,7 @@ def add_worker_options(parser: argparse.ArgumentParser) -> None:
 def worker_options(args: argparse.Namespace, port: int) -> WorkerOptions:
     try:
         engine = EngineConfig(
-            deployment=deployment_from_names(args.gpu, args.model, args.tp),
+            deployment=deployment_from_names(args.gpu, args.model, args.tp, args.block_size),
             seed=args.seed,
             noise_sigma=args.noise,
             max_num_seqs=args.max_num_seqs,
@@ -69,6 +77,7 @@ def worker_options(args: argparse.Namespace, port: int) -> WorkerOptions:
         served_model_name=args.served_model_name,
         nic_gbps=args.nic_gbps,
         held_timeout_s=args.kv_hold_timeout_s,
+        vllm_version=args.vllm_version,
     )
 
 

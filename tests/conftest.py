@@ -41,6 +41,7 @@ E2E_PATHS = (
     "tests/bench/test_compare.py",
     "tests/bench/replay/test_run.py",
     "tests/sim/test_sim_worker_processes.py",
+    "tests/sim/worker/test_vllm_conformance.py",
     "tests/experiments/test_live_acceptance.py",
     "tests/test_install_extras.py",
 )

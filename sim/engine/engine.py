@@ -49,8 +49,9 @@ class EngineConfig:
     eos_probability: float = 0.0  # per generated token, after min_tokens, unless ignore_eos
     max_model_len: int | None = None  # default: the model's
     num_gpu_blocks_override: int | None = None  # as vLLM's flag: a KV cache of this many blocks
-    # vLLM's --scheduling-policy: "fcfs" admits in arrival order and refuses requests with a
-    # priority; "priority" admits the lowest priority value first, arrival order among equals.
+    # vLLM's --scheduling-policy: "fcfs" admits in arrival order, a request's priority ignored
+    # (as vLLM 0.32; the worker refuses it where it follows an older vLLM); "priority" admits
+    # the lowest priority value first, arrival order among equals.
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
 
     def __post_init__(self) -> None:
@@ -88,6 +89,12 @@ class Engine:
         self.held_timeout_s = 480.0
         self.num_preemptions = 0
         self.prompt_tokens_total = 0
+        # vLLM's prompt_tokens_by_source, counted as each prompt is answered: they add up to
+        # prompt_tokens_total.
+        self.prompt_tokens_computed = 0
+        self.prompt_tokens_local_hit = 0
+        self.prompt_tokens_external = 0
+        self.num_held_expired = 0  # held prefill legs freed unpulled at their deadline
         self.generation_tokens_total = 0
         self._words = WordGenerator(config.seed)
         self._eos_rng = random.Random(config.seed)
@@ -160,10 +167,6 @@ class Engine:
             raise ValueError("min_tokens must be between 0 and max_tokens")
         if not 0 <= request.preloaded_tokens <= len(request.prompt_token_ids):
             raise ValueError("preloaded_tokens must be between 0 and the prompt length")
-        if request.priority != 0 and self.config.scheduling_policy != "priority":
-            raise ValueError(
-                f"Got priority {request.priority} but Priority scheduling is not enabled."
-            )  # vLLM's words
         seq = SeqState(request, self._words.request_key(request.request_id))
         if request.block_hashes:
             seq.hashes = self._given_hashes(seq.tokens, request.block_hashes)
@@ -272,6 +275,10 @@ class Engine:
             if seq.first_token_time < 0.0:
                 seq.first_token_time = now
                 self.prompt_tokens_total += seq.prompt_len
+                local_hit = seq.cached_tokens - seq.preloaded_stat
+                self.prompt_tokens_local_hit += local_hit
+                self.prompt_tokens_external += seq.external_tokens
+                self.prompt_tokens_computed += seq.prompt_len - local_hit - seq.external_tokens
             g = seq.generated
             if eos_p > 0.0 and self._samples_eos(seq):
                 emit(self._finish(seq, [], "stop", now))
@@ -380,6 +387,7 @@ class Engine:
             if self._is_live_hold(deadline, rid):
                 self.release_held(rid)
                 count += 1
+        self.num_held_expired += count
         return count
 
     def next_held_deadline(self) -> float | None:

@@ -31,8 +31,8 @@ class RequestStats:
     """Per-request accounting, attached to a request's finishing output.
 
     `cached_tokens` counts prompt tokens not computed at first scheduling (a local prefix
-    hit or pulled KV, as vLLM's num_cached_tokens); `preloaded_tokens` is the part of those
-    that came from a pull rather than the local prefix cache.
+    hit or pulled KV; the last prompt token is always computed); `preloaded_tokens` is the part
+    of those that came from a pull rather than the local prefix cache.
     """
 
     prompt_tokens: int
@@ -45,6 +45,12 @@ class RequestStats:
     num_preemptions: int
     held_blocks: bool
     preloaded_tokens: int = 0
+
+    @property
+    def local_hit_tokens(self) -> int:
+        """The prompt tokens found in the local prefix cache: vLLM 0.32's `cached_tokens`
+        (pulled KV is not counted there)."""
+        return self.cached_tokens - self.preloaded_tokens
 
 
 class StepOutput(NamedTuple):
@@ -75,6 +81,7 @@ class SeqState:
         "aborted",
         "block_ids",
         "cached_tokens",
+        "external_tokens",
         "finished",
         "first_scheduled_time",
         "first_token_time",
@@ -108,6 +115,9 @@ class SeqState:
         self.hashes: list[int] = []  # chained hashes of full blocks, computed lazily
         self.cached_tokens = 0
         self.preloaded_stat = 0
+        # The prompt tokens that came by transfer as vLLM's prompt_tokens_by_source counts
+        # them: the whole pulled span beyond the local hit, its recomputed last token included.
+        self.external_tokens = 0
         self.first_scheduled_time = -1.0
         self.first_token_time = -1.0
         self.preemptions = 0

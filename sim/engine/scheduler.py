@@ -123,6 +123,7 @@ def schedule(engine: Engine) -> Plan:
             seq.first_scheduled_time = now
             seq.cached_tokens = start
             seq.preloaded_stat = start - local
+            seq.external_tokens = max(0, min(seq.preloaded, n_tokens) - local)
         seq.preloaded = 0  # pulled KV is gone once the request is preempted
         seq.num_computed = start
         running.append(seq)

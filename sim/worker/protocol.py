@@ -218,12 +218,17 @@ class ResponseFramer:
 
 
 def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """A `usage` object with vLLM 0.32's fields (--enable-prompt-tokens-details)."""
     return {
         "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    }
+        "completion_tokens": completion_tokens,
+        "prompt_tokens_details": {
+            "cached_tokens": cached_tokens, "created_cache_tokens": None,
+            "multimodal_tokens": None,
+        },
+        "completion_tokens_details": None,
+    }  # fmt: skip
 
 
 DONE = b"data: [DONE]\n\n"

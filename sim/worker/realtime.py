@@ -13,7 +13,7 @@ import asyncio
 import os
 import time
 from collections.abc import Callable
-from typing import Final
+from typing import Final, NamedTuple
 
 from sim.engine.engine import Engine, StepOutput
 from sim.fabric.links import Fabric
@@ -138,6 +138,14 @@ def _timer() -> PreciseTimer:
     return _shared_timer[1]
 
 
+class TransferTime(NamedTuple):
+    """One transfer's times: the whole of it, and posting it (what this process spent handing
+    it to the link model, as NIXL's post time is what handing it to the agent took)."""
+
+    seconds: float
+    post_seconds: float
+
+
 class FabricRunner:
     """Awaitable transfers over a shared `Fabric`; completion times come from the link model."""
 
@@ -146,15 +154,17 @@ class FabricRunner:
         self._waiters: dict[int, asyncio.Future[None]] = {}
         self._timer: asyncio.TimerHandle | None = None
 
-    async def transfer(self, src: str, dst: str, nbytes: int) -> float:
-        """Move `nbytes` from `src` to `dst`; returns the seconds it took."""
+    async def transfer(self, src: str, dst: str, nbytes: int) -> TransferTime:
+        """Move `nbytes` from `src` to `dst`; how long posting it and the whole of it took."""
         loop = asyncio.get_running_loop()
+        posting = time.perf_counter()
         started = loop.time()
         self._complete(loop)
         transfer_id = self.fabric.start(src, dst, nbytes, started)
         future: asyncio.Future[None] = loop.create_future()
         self._waiters[transfer_id] = future
         self._reschedule(loop)
+        post_s = time.perf_counter() - posting
         try:
             await future
         except asyncio.CancelledError:
@@ -162,7 +172,7 @@ class FabricRunner:
             self.fabric.cancel(transfer_id, loop.time())
             self._reschedule(loop)
             raise
-        return loop.time() - started
+        return TransferTime(loop.time() - started, post_s)
 
     def _complete(self, loop: asyncio.AbstractEventLoop) -> None:
         for transfer_id in self.fabric.advance(loop.time()):

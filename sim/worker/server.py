@@ -8,13 +8,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 from aiohttp import web
 
-from sim.engine.engine import Engine, EngineConfig, EngineRequest, StepOutput
-from sim.fabric.kv_pull import KvPuller, PullResult
+from sim.engine.engine import Engine, EngineConfig, EngineRequest, RequestStats, StepOutput
+from sim.fabric.kv_pull import KvPuller, PullResult, remote_block_ids
 from sim.worker.ingest import ingest
 from sim.worker.protocol import (
     DONE,
@@ -30,6 +30,12 @@ from sim.worker.tokenizer import WordGenerator
 from sim.worker.vllm_metrics import CONTENT_TYPE, WorkerMetrics
 
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+# The vLLM whose wire the worker speaks: "0.32" as observed (the default); "legacy" as this
+# simulator spoke before: a priority without priority scheduling refused (400), the prefill
+# reply's `remote_block_ids` one flat list and no more than the handoff needs, and a decode
+# answer's `cached_tokens` counting the pulled KV.
+VLLM_VERSIONS = ("0.32", "legacy")
+VllmVersion = Literal["0.32", "legacy"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,12 @@ class WorkerOptions:
     nic_gbps: float = 400.0
     nic_latency_s: float = 5e-6
     held_timeout_s: float = 480.0
+    vllm_version: VllmVersion = "0.32"
+
+    def __post_init__(self) -> None:
+        if self.vllm_version not in VLLM_VERSIONS:
+            raise ValueError(f"vllm_version must be one of {VLLM_VERSIONS}, got "
+                             f"{self.vllm_version!r}")  # fmt: skip
 
     @property
     def model_name(self) -> str:
@@ -99,9 +111,10 @@ class SimWorker:
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True)
         self._session = aiohttp.ClientSession(connector=connector)
+        deployment = self.options.engine.deployment
         self._puller = KvPuller(
-            self._session, self.fabric, self.engine_id,
-            self.options.engine.deployment.kv_bytes_per_token,
+            self._session, self.fabric, self.engine_id, deployment.kv_bytes_per_token,
+            self.engine.blocks.block_size, deployment.model.layers,
         )  # fmt: skip
         self.runner.start()
         self._site_runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
@@ -165,17 +178,27 @@ class SimWorker:
             problem = self.engine.validate(prompt_len, max_tokens)
             if problem is not None:
                 raise OpenAIError(400, problem, "messages" if kind == "chat" else "prompt")
-            if parsed.priority != 0 and self.engine.config.scheduling_policy != "priority":
-                raise OpenAIError(
-                    400,
-                    f"Got priority {parsed.priority} but Priority scheduling is not enabled.",
-                    "priority",
-                )
+            legacy = self.options.vllm_version == "legacy"
+            priority = parsed.priority
+            if priority != 0 and self.engine.config.scheduling_policy != "priority":
+                if legacy:
+                    raise OpenAIError(
+                        400, f"Got priority {priority} but Priority scheduling is not enabled.",
+                        "priority",
+                    )  # fmt: skip
+                priority = 0  # vLLM 0.32 accepts it and schedules in arrival order
+            if parsed.kv_transfer_params and parsed.kv_transfer_params.get("do_remote_prefill"):
+                try:
+                    remote_block_ids(parsed.kv_transfer_params)
+                except ValueError as exc:
+                    raise OpenAIError(400, str(exc), "kv_transfer_params") from exc
         except OpenAIError as exc:
             return _error_response(exc.status, exc.body())
         client_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         engine_id = f"{client_id}-{next(self._ids)}"
         pull = await self._maybe_pull(parsed, prompt_len, ingested.block_hashes)
+        if pull is not None:
+            self.metrics.observe_pull(pull)
         hold = bool(parsed.kv_transfer_params and parsed.kv_transfer_params.get("do_remote_decode"))
         stream = _RequestStream()
         self._streams[engine_id] = stream
@@ -190,12 +213,12 @@ class SimWorker:
                 hold_blocks_on_finish=hold,
                 preloaded_tokens=pull.preloaded_tokens if pull else 0,
                 block_hashes=ingested.block_hashes,
-                priority=parsed.priority,
+                priority=priority,
             )
         )
         self.runner.wake()
         framer = ResponseFramer(kind, client_id, self.options.model_name)
-        headers = {"X-Request-Id": client_id, **(pull.headers() if pull else {})}
+        headers = {"X-Request-Id": client_id}
         try:
             if parsed.stream:
                 return await self._stream(request, parsed, engine_id, stream, framer, headers)
@@ -214,7 +237,12 @@ class SimWorker:
             return None
         assert self._puller is not None
         hit = self.engine.cached_prefix_tokens(parsed.prompt_token_ids, list(block_hashes))
-        return await self._puller.pull(params, prompt_len, hit)
+        # in vLLM the request waits in the engine's queue for its KV meanwhile
+        self.metrics.kv_fetches += 1
+        try:
+            return await self._puller.pull(params, prompt_len, hit)
+        finally:
+            self.metrics.kv_fetches -= 1
 
     def _text(self, engine_id: str, output: StepOutput, index: int) -> str:
         words = self._words.words(engine_id, index, len(output.token_ids))
@@ -222,23 +250,40 @@ class SimWorker:
         return text if index == 0 else " " + text
 
     def _finish_extra(self, engine_id: str, output: StepOutput) -> dict[str, Any]:
+        """A prefill leg's `kv_transfer_params`, shaped as vLLM's NixlConnector writes them."""
         stats = output.stats
         if stats is None or not stats.held_blocks:
             return {"kv_transfer_params": None}
         held = self.engine.held_request(engine_id)
         block_ids = list(held.block_ids) if held is not None else []
-        return {
-            "kv_transfer_params": {
-                "do_remote_prefill": True,
-                "do_remote_decode": False,
-                "remote_block_ids": block_ids,
-                "remote_engine_id": self.engine_id,
-                "remote_request_id": engine_id,
-                "remote_host": self.options.host,
-                "remote_port": self.options.port,
-                "tp_size": self.options.engine.deployment.tp,
-            }
+        params: dict[str, Any] = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": block_ids,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": engine_id,
+            "remote_host": self.options.host,
+            "remote_port": self.options.port,  # the side channel: the HTTP port here
+            "tp_size": self.options.engine.deployment.tp,
         }
+        if self.options.vllm_version == "0.32":
+            params["remote_block_ids"] = [block_ids]  # one KV group
+            params.update(
+                dcp_size=1,
+                pp_size=1,
+                remote_num_tokens=stats.prompt_tokens,
+                # vLLM 0.32 left it null in the capture; the source's hold timeout still applies
+                remote_blocks_expiry_time=None,
+                transfer_mode="pull",
+                remote_prefill_cached_tokens=stats.local_hit_tokens,
+            )
+        return {"kv_transfer_params": params}
+
+    def _usage(self, stats: RequestStats) -> dict[str, Any]:
+        """vLLM 0.32 counts only the local prefix-cache hit as cached, not pulled KV."""
+        cached = stats.cached_tokens if self.options.vllm_version == "legacy" else (
+            stats.local_hit_tokens)  # fmt: skip
+        return usage_dict(stats.prompt_tokens, stats.completion_tokens, cached)
 
     async def _complete(
         self, engine_id: str, stream: _RequestStream, framer: ResponseFramer,
@@ -253,7 +298,7 @@ class SimWorker:
             last = output
         assert last is not None and last.stats is not None and last.finish_reason is not None
         stats = last.stats
-        usage = usage_dict(stats.prompt_tokens, stats.completion_tokens, stats.cached_tokens)
+        usage = self._usage(stats)
         body = framer.full_response(
             "".join(parts), last.finish_reason, usage, self._finish_extra(engine_id, last)
         )
@@ -278,10 +323,7 @@ class SimWorker:
                     stats = output.stats
                     extra = self._finish_extra(engine_id, output)
                     if parsed.include_usage:
-                        usage = usage_dict(
-                            stats.prompt_tokens, stats.completion_tokens, stats.cached_tokens
-                        )
-                        chunk += framer.usage_chunk(usage, extra)
+                        chunk += framer.usage_chunk(self._usage(stats), extra)
                 await response.write(chunk)
         except (ConnectionResetError, asyncio.CancelledError):
             raise

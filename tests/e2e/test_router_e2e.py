@@ -74,24 +74,32 @@ async def test_disaggregate_prefills_remotely_and_decode_worker_pulls(
     router = start_router("--prefill", prefill, "--decode", decode, "--policy", "disaggregate")
     prompt_words = 800
     messages = [{"role": "user", "content": " ".join(f"pd{i}" for i in range(prompt_words))}]
+    by_source = "vllm:prompt_tokens_by_source_total"
     async with aiohttp.ClientSession() as http:
         before_p = await metric_sum(http, prefill, "vllm:generation_tokens_total")
         before_d = await metric_sum(http, decode, "vllm:generation_tokens_total")
+        pulled = await metric_sum(http, decode, by_source, "external_kv_transfer")
+        computed = await metric_sum(http, decode, by_source, "local_compute")
         answer, usage, _ = await chat(http, router.url, messages, max_tokens=6)
         after_p = await metric_sum(http, prefill, "vllm:generation_tokens_total")
         after_d = await metric_sum(http, decode, "vllm:generation_tokens_total")
+        pulled = await metric_sum(http, decode, by_source, "external_kv_transfer") - pulled
+        computed = await metric_sum(http, decode, by_source, "local_compute") - computed
         _status, decisions = await admin_get(http, router.url, router.admin_token,
                                             "/admin/decisions?limit=1")  # fmt: skip
     assert len(answer.split()) == 6 and usage["completion_tokens"] == 6
     assert after_p - before_p == 1  # the prefill leg: one token, then the KV is held
     assert after_d - before_d == 6
-    # the decode worker pulled the whole prompt's KV and computed only the last token itself
-    assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
+    # the decode worker pulled the whole prompt's KV: as vLLM 0.32, the answer counts no
+    # transferred token as cached, the worker's metrics count them by source
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+    assert (pulled, computed) == (usage["prompt_tokens"], 0)
     event = decisions["decisions"][0]
     assert event["action"] == "handoff"
     assert event["prefill_worker"] == worker_id(prefill)
     assert event["decode_worker"] == worker_id(decode)
-    assert event["transferred_bytes"] == usage["prompt_tokens"] * 131072
+    # whole 16-token blocks of 128 KiB a token, as NIXL moves them
+    assert event["transferred_bytes"] == -(-usage["prompt_tokens"] // 16) * 16 * 131072
     assert event["transfer_end"] > event["transfer_start"]
 
 
@@ -312,8 +320,9 @@ async def test_turns_reach_priority_scheduling_workers_with_their_due_times(
     sim4: SimCluster, start_router: StartRouter
 ) -> None:
     """Workers started with `--scheduling-policy priority` take the due times: adaptive's whole
-    turns and a handoff's two legs; a worker without it refuses them with vLLM's 400, which the
-    client gets as the worker said it: the flag must match how the engines were started."""
+    turns and a handoff's two legs; a worker without it ignores them (vLLM 0.32), one following
+    an older vLLM refuses them with its 400, which the client gets as the worker said it: the
+    flag must match how the engines were started."""
     cluster = start_sim_cluster(2, "--scheduling-policy", "priority")
     prefill, decode = cluster.urls
     handoff = ["--policy", "tests.e2e.scripted_policies:AlwaysHandoff", "--policy-param",
@@ -340,6 +349,16 @@ async def test_turns_reach_priority_scheduling_workers_with_their_due_times(
     mismatched = start_router("--mixed", sim4.urls[0], "--policy", "adaptive",
                               "--priority-scheduling")  # fmt: skip
     async with aiohttp.ClientSession() as http:
-        _, refused, response = await chat(http, mismatched.url, [{"role": "user", "content": "hi"}])
+        _, usage, response = await chat(http, mismatched.url, [{"role": "user", "content": "hi"}])
+    assert response.status == 200 and usage["completion_tokens"] > 0
+    older = start_sim_cluster(1, "--vllm-version", "legacy")
+    try:
+        mismatched = start_router("--mixed", older.urls[0], "--policy", "adaptive",
+                                  "--priority-scheduling")  # fmt: skip
+        async with aiohttp.ClientSession() as http:
+            _, refused, response = await chat(http, mismatched.url,
+                                              [{"role": "user", "content": "hi"}])  # fmt: skip
+    finally:
+        older.process.stop()
     assert response.status == 400
     assert "Priority scheduling is not enabled" in refused["error"]["error"]["message"]

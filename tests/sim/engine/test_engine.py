@@ -220,13 +220,18 @@ def test_preloaded_tokens_skip_recompute_and_register_hashes() -> None:
     start = clock.now()
     stats = run(engine, clock)["d"].stats
     assert stats is not None
-    assert (stats.cached_tokens, stats.preloaded_tokens) == (99, 99)
+    assert (stats.cached_tokens, stats.preloaded_tokens, stats.local_hit_tokens) == (99, 99, 0)
+    # vLLM 0.32 counts the whole pulled prompt as transferred, its recomputed last token too
+    assert prompt_sources(engine) == (0, 0, 100)
     assert clock.now() - start == engine.cost_model.predict_prefill_s(1, 99)
     assert engine.prefix_cache_hits == 0
     assert engine.cached_prefix_tokens(prompt) == 96
     engine.add_request(req("next", [*prompt, 1, 2, 3], max_tokens=1))
     nxt = run(engine, clock)["next"].stats
     assert nxt is not None and (nxt.cached_tokens, nxt.preloaded_tokens) == (96, 0)
+    assert nxt.local_hit_tokens == 96
+    assert prompt_sources(engine) == (7, 96, 100)
+    assert engine.prompt_tokens_total == sum(prompt_sources(engine))
 
 
 def test_partial_preload_after_a_local_hit() -> None:
@@ -237,7 +242,18 @@ def test_partial_preload_after_a_local_hit() -> None:
     engine.add_request(req("d", prompt, max_tokens=1, preloaded_tokens=50))
     stats = run(engine, clock)["d"].stats
     assert stats is not None and (stats.cached_tokens, stats.preloaded_tokens) == (50, 18)
+    assert stats.local_hit_tokens == 32
+    assert prompt_sources(engine) == (32 + 14, 32, 18)  # "warm" whole, "d" past the pull
     assert engine.cached_prefix_tokens(prompt) == 64
+
+
+def prompt_sources(engine: Engine) -> tuple[int, int, int]:
+    """vllm:prompt_tokens_by_source: local_compute, local_cache_hit, external_kv_transfer."""
+    return (
+        engine.prompt_tokens_computed,
+        engine.prompt_tokens_local_hit,
+        engine.prompt_tokens_external,
+    )
 
 
 def test_preemption_under_tiny_cache_completes_everything() -> None:
@@ -445,10 +461,11 @@ def test_a_preempted_request_goes_ahead_of_its_equals_only() -> None:
     assert [seq.request_id for seq in engine.waiting] == ["early", "again", "same", "late"]
 
 
-def test_priorities_need_the_priority_policy() -> None:
+def test_fcfs_ignores_priorities() -> None:
+    """vLLM 0.32 without --scheduling-policy priority: accepted, arrival order kept."""
     engine, _ = make()
-    with pytest.raises(ValueError, match="Priority scheduling is not enabled"):
-        engine.add_request(req("r", 10, priority=3))
-    engine.add_request(req("zero", 10, priority=0))  # vLLM's default value passes
+    for rid, priority in (("a", 9), ("b", 1), ("c", 5)):
+        engine.add_request(req(rid, 10, max_tokens=1, priority=priority))
+    assert [seq.request_id for seq in engine.waiting] == ["a", "b", "c"]
     with pytest.raises(ValueError, match="scheduling_policy"):
         EngineConfig(DEP, scheduling_policy="lifo")  # type: ignore[arg-type]

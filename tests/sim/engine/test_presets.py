@@ -38,6 +38,7 @@ def test_gpu_presets(name: str, flops: float, bandwidth: float, memory: float) -
     [
         ("llama-3.1-8b", (32, 4096, 32, 8, 128, 14336, 128256, 8.03e9, 131072)),
         ("llama-3.1-70b", (80, 8192, 64, 8, 128, 28672, 128256, 70.6e9, 131072)),
+        ("tiny-llama", (2, 256, 4, 2, 64, 512, 8192, 5.4e6, 4096)),
     ],
 )
 def test_model_presets(name: str, shape: tuple[float, ...]) -> None:
@@ -57,7 +58,11 @@ def test_model_presets(name: str, shape: tuple[float, ...]) -> None:
 
 @pytest.mark.parametrize(
     ("model", "kv_bytes", "weights"),
-    [("llama-3.1-8b", 131072, 16.06e9), ("llama-3.1-70b", 327680, 141.2e9)],
+    [
+        ("llama-3.1-8b", 131072, 16.06e9),
+        ("llama-3.1-70b", 327680, 141.2e9),
+        ("tiny-llama", 1024, 10.8e6),
+    ],
 )
 def test_kv_bytes_per_token_and_weights(model: str, kv_bytes: int, weights: float) -> None:
     dep = deployment_from_names("h200-sxm", model, tp=2)
