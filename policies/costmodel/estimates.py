@@ -223,9 +223,10 @@ class Estimates:
         """Calibrate from one placed turn; failed turns and missing stages teach nothing.
 
         `prefill`: what the placement assumed of its prefill leg (the cached tokens and the
-        decode streams on its worker); a split turn's outcome counts the decode leg's cache
-        hit (the pulled KV) and, where the prefill worker reported it, the prefill leg's
-        (`Outcome.prefill_cached_tokens`), which replaces the assumed one."""
+        decode streams on its worker); a split turn's outcome counts the decode leg's own
+        prefix-cache hit (vLLM counts no pulled KV there) and, where the prefill worker
+        reported it, the prefill leg's (`Outcome.prefill_cached_tokens`), which replaces the
+        assumed one."""
         if not outcome.ok:
             return
         running = max(0, outcome.worker_running_at_start)

@@ -233,12 +233,12 @@ async def test_prefill_worker_killed_during_transfer(
             if (_event(events, c).get("prefill_end") or killed_wall + 1) < killed_wall
         ]  # fmt: skip
         # the decode worker moved the KV (the source died mid-pull), or found the source gone
-        # and prefilled itself
-        moved = sum(_event(events, c).get("transferred_bytes", 0) > 0 for c in pulling)
+        # and prefilled itself: as on vLLM, no answer says which (the engines count failed
+        # pulls), only that it was answered
         retried = sum(bool(_event(events, c).get("retried")) for c, _ in affected)
         row = report("prefill worker killed in transfer", calls, affected,
-                     f"{moved} pulled, {len(pulling) - moved} fell back to a local prefill, "
-                     f"{retried} decided again")  # fmt: skip
+                     f"{len(pulling)} decode legs were pulling (each pulled or prefilled "
+                     f"locally), {retried} decided again")  # fmt: skip
         table.append(row)
         assert not unacceptable(calls), unacceptable(calls)
         assert_bounded(row)
