@@ -37,9 +37,7 @@ class FakeKubernetes:
     _history: list[tuple[int, str, dict[str, Any]]] = field(default_factory=list)
     _version: int = 100
     _compacted: int = 0  # watches from a resourceVersion below this are gone (410)
-    _watchers: set[asyncio.Queue[tuple[str, dict[str, Any]] | None]] = field(
-        default_factory=set
-    )
+    _watchers: set[asyncio.Queue[tuple[str, dict[str, Any]] | None]] = field(default_factory=set)
     _runner: web.AppRunner | None = None
     port: int = 0
 

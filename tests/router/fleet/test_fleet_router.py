@@ -128,6 +128,10 @@ async def test_admin_adds_and_removes_a_worker_which_drains_its_turns_in_flight(
     assert len(c.received) == before
     assert [status for status, _ in await asyncio.gather(*in_flight)] == [200] * 4
     status, listed = await admin(stack, router, "GET", "/admin/workers")
+    assert {w["id"]: (w["origin"], w["leaving"]) for w in listed["workers"]}["a"] == (
+        "static",
+        False,
+    )
 
     async def forgotten() -> bool:
         return "c" not in router.router.pool.workers

@@ -28,14 +28,14 @@ async def server() -> AsyncIterator[FakeDns]:
 
 async def until(probe: Callable[[], bool], within_s: float = 5.0) -> None:
     async with asyncio.timeout(within_s):
-        while not probe():
+        while True:
+            if probe():
+                return
             await asyncio.sleep(0.01)
 
 
 @contextlib.asynccontextmanager
-async def running(
-    source: DnsSource, sets: list[tuple[WorkerSpec, ...]]
-) -> AsyncIterator[None]:
+async def running(source: DnsSource, sets: list[tuple[WorkerSpec, ...]]) -> AsyncIterator[None]:
     task = asyncio.create_task(source.run(sets.append))
     try:
         yield

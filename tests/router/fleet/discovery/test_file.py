@@ -18,7 +18,9 @@ from router.fleet.discovery.source import WorkerDefaults
 
 async def until(probe: Callable[[], bool], within_s: float = 5.0) -> None:
     async with asyncio.timeout(within_s):
-        while not probe():
+        while True:
+            if probe():
+                return
             await asyncio.sleep(0.01)
 
 
@@ -55,13 +57,19 @@ async def test_changes_and_reload_are_applied_and_a_bad_file_changes_nothing(
     async with running(source, sets):
         await until(lambda: ids(sets) == ["10.0.0.1:8000"])
         assert sets[-1][0].role == "decode"  # the default role
-        write(path, '[[workers]]\nurl = "http://10.0.0.1:8000"\n'
-                    '[[workers]]\nurl = "http://10.0.0.2:8000"\nrole = "prefill"\nid = "p"\n')
+        write(
+            path,
+            '[[workers]]\nurl = "http://10.0.0.1:8000"\n'
+            '[[workers]]\nurl = "http://10.0.0.2:8000"\nrole = "prefill"\nid = "p"\n',
+        )
         await until(lambda: ids(sets) == ["10.0.0.1:8000", "p"])
         assert sets[-1][1].role == "prefill"
-        for bad in ('[[workers]]\nurl = "ftp://x:1"\n', "[[workers]\n",
-                    '[[workers]]\nurl = "http://a:1"\ncolour = "red"\n',
-                    '[[workers]]\nurl = "http://a:1"\n[[workers]]\nurl = "http://a:1"\n'):
+        for bad in (
+            '[[workers]]\nurl = "ftp://x:1"\n',
+            "[[workers]\n",
+            '[[workers]]\nurl = "http://a:1"\ncolour = "red"\n',
+            '[[workers]]\nurl = "http://a:1"\n[[workers]]\nurl = "http://a:1"\n',
+        ):
             write(path, bad)
             await asyncio.sleep(0.15)
             assert ids(sets) == ["10.0.0.1:8000", "p"], bad  # fmt: skip

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -36,7 +37,9 @@ class Seen:
 
 async def until(probe: Callable[[], bool], within_s: float = WAIT_S) -> None:
     async with asyncio.timeout(within_s):
-        while not probe():
+        while True:
+            if probe():
+                return
             await asyncio.sleep(0.01)
 
 
@@ -59,10 +62,9 @@ async def running(source: KubernetesSource, seen: Seen) -> AsyncIterator[None]:
             await task
 
 
-def source_for(api: FakeKubernetes, token_file: str | None = None, **options: object) -> \
-        KubernetesSource:  # fmt: skip
+def source_for(api: FakeKubernetes, token_file: str | None = None) -> KubernetesSource:
     return KubernetesSource(api.url, api.namespace, "app=vllm", WorkerDefaults(port=8000),
-                            token_file=token_file, **options)  # type: ignore[arg-type]
+                            token_file=token_file)  # fmt: skip
 
 
 async def test_pods_join_and_leave_as_they_turn_ready_terminate_and_are_deleted(
@@ -160,7 +162,7 @@ async def test_an_unreachable_api_keeps_the_workers_and_is_retried(api: FakeKube
         await until(lambda: seen.ids == ["a", "b"], within_s=8.0)
 
 
-POD = {
+POD: dict[str, Any] = {
     "metadata": {"name": "w", "labels": {}, "annotations": {}},
     "status": {"phase": "Running", "podIP": "10.1.1.1",
                "conditions": [{"type": "Ready", "status": "True"}]},
@@ -217,5 +219,3 @@ async def test_a_pod_with_wrong_labels_is_no_worker_until_they_are_fixed(
         await until(lambda: seen.ids == ["b"])
         api.set_pod("a", labels={"session-router/role": "decode"})
         await until(lambda: seen.ids == ["a", "b"])
-
-
