@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import ssl
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,10 +41,11 @@ class FakeKubernetes:
     _watchers: set[asyncio.Queue[tuple[str, dict[str, Any]] | None]] = field(default_factory=set)
     _runner: web.AppRunner | None = None
     port: int = 0
+    tls: ssl.SSLContext | None = None  # served over https with this context
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     @property
     def watches(self) -> int:
@@ -59,7 +61,7 @@ class FakeKubernetes:
         app.router.add_get("/api/v1/namespaces/{namespace}/pods", self._pods_endpoint)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        site = web.TCPSite(self._runner, "127.0.0.1", 0, ssl_context=self.tls)
         await site.start()
         self.port = self._runner.addresses[0][1]
 
@@ -75,7 +77,7 @@ class FakeKubernetes:
         app.router.add_get("/api/v1/namespaces/{namespace}/pods", self._pods_endpoint)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
         await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port, ssl_context=self.tls).start()
 
     # -- what the test does ---------------------------------------------------------------
     def set_pod(

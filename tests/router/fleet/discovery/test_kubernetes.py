@@ -17,6 +17,7 @@ from router.config import WorkerSpec
 from router.fleet.discovery.kubernetes import KubernetesSource, Pod, pod_worker
 from router.fleet.discovery.source import WorkerDefaults
 from tests.fake_kubernetes import FakeKubernetes
+from tests.router.http.test_client_tls import _server_context, certs  # noqa: F401 (fixture)
 
 WAIT_S = 5.0
 
@@ -219,3 +220,25 @@ async def test_a_pod_with_wrong_labels_is_no_worker_until_they_are_fixed(
         await until(lambda: seen.ids == ["b"])
         api.set_pod("a", labels={"session-router/role": "decode"})
         await until(lambda: seen.ids == ["a", "b"])
+
+
+@pytest.mark.parametrize("authority", ["ca", "rogue-ca"])
+async def test_the_api_server_over_tls_is_verified_against_the_ca_file(
+    certs: Path,  # noqa: F811
+    authority: str,
+) -> None:
+    api = FakeKubernetes(tls=_server_context(certs))
+    await api.start()
+    try:
+        api.set_pod("a")
+        source = KubernetesSource(api.url, api.namespace, "app=vllm", WorkerDefaults(),
+                                  ca_file=str(certs / f"{authority}.pem"))  # fmt: skip
+        seen = Seen()
+        async with running(source, seen):
+            if authority == "ca":
+                await until(lambda: seen.ids == ["a"])
+            else:  # not the API server's CA: nothing is believed
+                await asyncio.sleep(0.5)
+                assert seen.sets == [] and source.lists == 0
+    finally:
+        await api.stop()
