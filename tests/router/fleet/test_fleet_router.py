@@ -118,7 +118,12 @@ async def test_admin_adds_and_removes_a_worker_which_drains_its_turns_in_flight(
     # new sessions spread over both (round-robin's turn order keeps it exact)
     router.router.policy.policy = __import__("policies").create_policy("round-robin", {})
     in_flight = [asyncio.create_task(turn(stack, router, "m", f"s{i}")) for i in range(4)]
-    await c.wait_request()
+
+    async def all_sent() -> bool:  # every one reached its worker (c answers them late)
+        return len(a.received) + len(c.received) == 4
+
+    await eventually(all_sent)
+    assert c.received  # round-robin's spread
     status, body = await admin(stack, router, "DELETE", "/admin/workers/c")
     assert status == 202 and body["leaving"] is True and body["inflight"] >= 1, body
     before = len(c.received)
