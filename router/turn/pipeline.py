@@ -180,7 +180,7 @@ class TurnPipeline:
             record = await self._state.load_session(session_id)
         uncached = prompt_tokens
         if record is not None and record.worker_id in pool.ids:
-            # (a worker that left, or serves another model, holds nothing of use)
+            # (a worker forgotten since, or serving another model, holds nothing of use)
             uncached = max(1, prompt_tokens - record.tokens)
         cap = fields.output_cap
         turn = Turn(
@@ -230,7 +230,13 @@ class TurnPipeline:
 
     def _decide(self, ctx: TurnContext) -> tuple[Decision, Plan]:
         holder = self._policy
-        view = self.view(ctx.record, ctx.pool)
+        # the pool as it is now: the fleet may have changed since admission (or the try
+        # before this one)
+        pool = self._pool.pool_for(ctx.fields.model)
+        if pool is None:
+            raise unknown_model(ctx.fields.model, self._pool.model_names())
+        ctx.pool = pool
+        view = self.view(ctx.record, pool)
         started = time.perf_counter()
         try:
             decision = holder.policy.decide(ctx.turn, view)
