@@ -9,7 +9,9 @@ from typing import Any
 import msgspec
 
 from policies import PolicyConfigError, available_policies, create_policy
+from router.config import ConfigError, WorkerSpec, check_workers
 from router.errors import error_response
+from router.fleet.membership import Membership, MembershipError
 from router.fleet.workers import WorkerPool
 from router.http import Request, Response
 from router.obs.events import EventLog
@@ -36,8 +38,12 @@ class Admin:
         events: EventLog,
         policy: PolicyHolder,
         allow_policy_import: bool = False,
+        membership: Membership | None = None,
     ) -> None:
         self._token = token
+        self._membership = membership if membership is not None else Membership(
+            pool, lambda state: None, lambda worker_id: None
+        )  # fmt: skip
         # PUT /admin/policy swaps to registered policies (built-ins, entry points) and to the
         # one the router started with; `module:attr` of any other class only when allowed
         self._allow_policy_import = allow_policy_import
@@ -50,6 +56,8 @@ class Admin:
         self._routes: dict[tuple[str, str, bool], AdminHandler] = {
             ("GET", "sessions", True): self._session,
             ("GET", "workers", False): self._workers,
+            ("POST", "workers", False): self._add_worker,
+            ("DELETE", "workers", True): self._remove_worker,
             ("POST", "workers/drain", True): self._drain,
             ("DELETE", "workers/drain", True): self._undrain,
             ("GET", "decisions", False): self._decisions,
@@ -102,8 +110,36 @@ class Admin:
                 "load": state.load, "models": state.models,
                 "ejected": state.ejected, "ejected_for_s": ejected_for,
                 "ejections": state.ejections, "consecutive_failures": state.consecutive_failures,
+                "leaving": state.leaving,
+                "origin": self._membership.origin(worker_id),
             })  # fmt: skip
         return _json({"workers": rows})
+
+    async def _add_worker(self, request: Request, _: str) -> Response:
+        """A worker joins this replica's fleet: the body is a `[[workers]]` entry as JSON."""
+        try:
+            spec = msgspec.json.decode(request.body, type=WorkerSpec)
+            check_workers((spec,))
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+            return error_response(400, f"invalid worker: {exc}")
+        except ConfigError as exc:
+            return error_response(400, str(exc), "url")
+        try:
+            state = self._membership.add(spec)
+        except MembershipError as exc:
+            return error_response(exc.status, str(exc), "id")
+        body = {"id": spec.worker_id, "url": spec.url, "role": spec.role, "origin": "admin",
+                "leaving": state.leaving}  # fmt: skip
+        return Response(201, _encode(body))
+
+    async def _remove_worker(self, request: Request, worker_id: str) -> Response:
+        """A static or admin-added worker leaves this replica's fleet and drains (202)."""
+        try:
+            state = self._membership.remove(worker_id)
+        except MembershipError as exc:
+            return error_response(exc.status, str(exc), "worker_id")
+        body = {"id": worker_id, "leaving": True, "inflight": state.inflight}
+        return Response(202, _encode(body))
 
     async def _drain(self, request: Request, worker_id: str) -> Response:
         return self._set_draining(worker_id, True)

@@ -26,7 +26,7 @@ import msgspec
 from policies.plan import kv_bytes
 from router.config import RouterConfig
 from router.errors import RouterError, error_response
-from router.fleet.workers import WorkerPool
+from router.fleet.workers import ModelPool, WorkerPool
 from router.http import (
     Request,
     Response,
@@ -131,15 +131,14 @@ class Api:
         digest.update(_encode([instructions if isinstance(instructions, str) else None, given]))
         return "fp:" + digest.hexdigest()
 
-    def _candidates(self, model: str | None) -> list[str]:
-        """Healthy, undrained workers serving `model` (any, where none lists its models),
-        least loaded first (the fleet's in-flight counts, then running and waiting)."""
+    def _candidates(self, pool: ModelPool) -> list[str]:
+        """The pool's workers that take turns now (not draining, not prefill-only), least
+        loaded first (the fleet's in-flight counts, then running and waiting)."""
         inflight = self._state.fleet_inflight()
         found: list[tuple[int, int, str]] = []
-        for worker_id, state in self._pool.workers.items():
-            if not state.available or state.draining or state.spec.role == "prefill":
-                continue
-            if model is not None and state.models and model not in state.models:
+        for state in pool.members:
+            worker_id = state.spec.worker_id
+            if not state.serving or state.draining or state.spec.role == "prefill":
                 continue
             load = state.load
             queued = load.running + load.waiting if load is not None else 0
@@ -151,13 +150,12 @@ class Api:
         self, request: Request, writer: StreamWriter, model: str | None,
         affinity: _Affinity | None, headers: dict[str, str],
     ) -> Response | None:  # fmt: skip
-        if (
-            model is not None
-            and self._pool.model_names()
-            and (model not in self._pool.model_names())
-        ):
-            raise RouterError(404, f"The model `{model[:256]}` does not exist.", "model")
-        candidates = self._candidates(model)
+        pool = self._pool.pool_for(model)
+        if pool is None and model is None:  # tokenize and the like may name no model
+            pool = self._pool.pool_for(self._pool.model_names()[0])
+        if pool is None:
+            raise RouterError(404, f"The model `{(model or '')[:256]}` does not exist.", "model")
+        candidates = self._candidates(pool)
         if affinity is not None and affinity.record is not None:
             resident = affinity.record.worker_id
             if resident in candidates:

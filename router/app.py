@@ -9,17 +9,18 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import aiohttp
 import msgspec
 
 from policies import create_policy
 from router.admin import Admin
 from router.api import PASS_THROUGH, RESPONSES, SESSIONS_PREFIX, Api
-from router.config import RouterConfig
+from router.config import RouterConfig, WorkerSpec
 from router.errors import error_response
+from router.fleet.discovery import Source, source_of
+from router.fleet.membership import Membership
 from router.fleet.telemetry import Scraper, ScrapeTarget, WorkerLoad
 from router.fleet.tls import worker_ssl_context
-from router.fleet.workers import EjectionConfig, WorkerPool
+from router.fleet.workers import EjectionConfig, WorkerPool, WorkerState
 from router.http import Request, Response, StreamWriter
 from router.obs.events import EventLog, StageClock
 from router.obs.metrics import RouterMetrics
@@ -31,7 +32,8 @@ from router.turn.legs import LegRunner, LegTimeouts, WorkerUnreachable
 from router.turn.pipeline import PolicyHolder, TurnPipeline
 
 log = logging.getLogger("router")
-_MODELS_REFRESH_S = 30.0
+_REAP_EVERY_S = 1.0  # how often workers that left are checked for having drained
+_FIRST_REPORT_S = 10.0  # at start, the longest wait for discovery's first set of workers
 _encode = msgspec.json.Encoder().encode
 
 
@@ -48,8 +50,11 @@ class Router:
             EjectionConfig.of(config),
             self.metrics.worker_ejection,
             tls=worker_ssl_context(config),
+            departure_grace_s=config.departure_grace_s,
         )
         self.metrics.bind_workers(self.pool.workers)
+        self.membership = Membership(self.pool, self._joined, self._left, self._forgotten)
+        self.discovery: Source | None = source_of(config)
         policy_config = config.policy
         self.policy = PolicyHolder(
             policy_config.name, create_policy(policy_config.name, policy_config.params)
@@ -89,17 +94,17 @@ class Router:
         )
         await self.state.start()
         session = self.pool.open_session(config.connect_timeout_s)
-        self._declare_links()
+        for state in self.pool.workers.values():
+            self._declare_links(state)
         interval = config.scrape_interval_ms / 1000
-        targets = [
-            ScrapeTarget(worker_id=worker_id, url=state.spec.base_url, engine=state.spec.engine)
-            for worker_id, state in self.pool.workers.items()
-        ]
-        self.scraper = Scraper(session, targets, interval, max(0.2, 4 * interval), self._on_scrape)
-        await self.scraper.scrape_once()
+        targets = [_target(state) for state in self.pool.workers.values()]
+        self.scraper = Scraper(session, targets, interval, max(0.2, 4 * interval),
+                               self._on_scrape, on_models=self._on_models)  # fmt: skip
+        await self.scraper.scrape_once()  # the static workers' loads and models
         self.scraper.start()
-        await self._refresh_models()
-        self._tasks.append(asyncio.create_task(self._models_loop()))
+        self._tasks.append(asyncio.create_task(self._reap_loop()))
+        if self.discovery is not None:
+            await self._start_discovery(self.discovery)
         legs = LegRunner(self.pool, self.state, self.clock, self._on_upstream_error,
                          LegTimeouts.of(config))  # fmt: skip
         executor = Executor(config, legs, self.state, self.clock)
@@ -109,7 +114,8 @@ class Router:
         )  # fmt: skip
         self.api = Api(config, self.pool, legs, self.state)
         self.admin = Admin(config.admin_token, self.pool, self.state, self.events, self.policy,
-                           allow_policy_import=config.allow_policy_import)  # fmt: skip
+                           allow_policy_import=config.allow_policy_import,
+                           membership=self.membership)  # fmt: skip
 
     async def stop(self) -> None:
         pipeline: TurnPipeline | None = getattr(self, "pipeline", None)  # set by start()
@@ -133,15 +139,67 @@ class Router:
             self._embedded.stop()
             self._embedded = None
 
+    def reload(self) -> None:
+        """SIGHUP: discovery looks again now (the workers file is read again)."""
+        if self.discovery is not None:
+            self.discovery.reload()
+
+    # -- membership -------------------------------------------------------------------------
+    async def _start_discovery(self, source: Source) -> None:
+        """Run the source; wait (a while) for its first set, so that the router does not
+        start without the workers it is about to hear of."""
+        first = asyncio.Event()
+
+        def on_workers(specs: tuple[WorkerSpec, ...]) -> None:
+            self.membership.reconcile(source.name, specs)
+            first.set()
+
+        self._tasks.append(asyncio.create_task(_supervised(source, on_workers)))
+        try:
+            async with asyncio.timeout(_FIRST_REPORT_S):
+                await first.wait()
+        except TimeoutError:
+            log.warning("%s discovery reported no workers within %g s; serving on",
+                        source.name, _FIRST_REPORT_S)  # fmt: skip
+
+    def _joined(self, state: WorkerState) -> None:
+        """A worker joined (or changed its spec): scrape it (its first scrape, now, lists its
+        models; until then it serves no model), declare its links, show its metrics."""
+        worker_id = state.spec.worker_id
+        self.metrics.bind_workers((worker_id,))
+        if self.state is not None:
+            self._declare_links(state)
+        if self.scraper is not None:
+            self.scraper.add(_target(state))
+
+    def _left(self, worker_id: str) -> None:
+        """A worker left: no more scrapes; it drains (`WorkerPool.leave`). Its sessions'
+        residency is void from now: the policy no longer sees the worker as able to serve
+        (it migrates or recomputes them) and their next turns' commits replace it."""
+        if self.scraper is not None:
+            self.scraper.remove(worker_id)
+        self.metrics.worker_update(worker_id, None, False)
+
+    def _forgotten(self, worker_id: str) -> None:
+        log.info("worker %s drained and forgotten", worker_id)
+
+    async def _reap_loop(self) -> None:
+        while True:
+            await asyncio.sleep(_REAP_EVERY_S)
+            self.membership.reap()
+
     # -- wiring ---------------------------------------------------------------------------
-    def _declare_links(self) -> None:
+    def _declare_links(self, joined: WorkerState) -> None:
+        """The link capacities between a worker and every other, both ways where the roles
+        allow a transfer (a prefill-capable source, a decode-capable destination)."""
         assert self.state is not None
-        specs = [state.spec for state in self.pool.workers.values()]
-        for src in specs:
-            if src.role == "decode":
+        new = joined.spec
+        for state in self.pool.workers.values():
+            other = state.spec
+            if other.worker_id == new.worker_id:
                 continue
-            for dst in specs:
-                if dst is src or dst.role == "prefill":
+            for src, dst in ((new, other), (other, new)):
+                if src.role == "decode" or dst.role == "prefill":
                     continue
                 capacity = min(src.nic_gbps, dst.nic_gbps) * 1e9 / 8
                 self.state.set_link_capacity(src.worker_id, dst.worker_id, capacity)
@@ -178,33 +236,12 @@ class Router:
     def _on_degraded(self, degraded: bool) -> None:
         self.metrics.set_degraded(degraded)
 
-    async def _refresh_models(self) -> None:
-        async def fetch(worker_id: str, url: str) -> None:
-            try:
-                async with self.pool.session.get(
-                    url + "/v1/models", timeout=aiohttp.ClientTimeout(total=2)
-                ) as response:
-                    if response.status != 200:
-                        return
-                    data = msgspec.json.decode(await response.read())
-            except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError):
-                return
-            models = [m for m in data.get("data", []) if isinstance(m, dict) and "id" in m]
-            self.pool.set_models(worker_id, tuple(str(m["id"]) for m in models))
-            for model in models:
-                self._models.setdefault(str(model["id"]), model)
-
-        await asyncio.gather(
-            *(
-                fetch(worker_id, state.spec.base_url)
-                for worker_id, state in self.pool.workers.items()
-            )
-        )
-
-    async def _models_loop(self) -> None:
-        while True:
-            await asyncio.sleep(_MODELS_REFRESH_S)
-            await self._refresh_models()
+    def _on_models(self, worker_id: str, models: tuple[dict[str, Any], ...]) -> None:
+        """A worker's /v1/models (on the scrape path): its pools, and the union's entries."""
+        for model in models:
+            self._models[model["id"]] = model
+        if self.pool.set_models(worker_id, tuple(model["id"] for model in models)):
+            log.info("worker %s serves %s", worker_id, ", ".join(m["id"] for m in models))
 
     # -- endpoints --------------------------------------------------------------------------
     def handle(self, request: Request, writer: StreamWriter) -> Awaitable[Response | None]:
@@ -283,6 +320,22 @@ class Router:
             for (src, dst), link in self.state.link_views().items():
                 self.metrics.set_link(src, dst, link.handoff_bytes, link.migration_bytes)
         return Response(200, self.metrics.render(), content_type=self.metrics.content_type)
+
+
+async def _supervised(source: Source, on_workers: Callable[[tuple[WorkerSpec, ...]], None]) -> None:
+    """Run a source for as long as the router runs: one that fails (sources retry their own
+    errors, so a bug) is logged and started again."""
+    while True:
+        try:
+            await source.run(on_workers)
+        except Exception:
+            log.exception("%s discovery failed; started again in 1 s", source.name)
+        await asyncio.sleep(1.0)
+
+
+def _target(state: WorkerState) -> ScrapeTarget:
+    spec = state.spec
+    return ScrapeTarget(worker_id=spec.worker_id, url=spec.base_url, engine=spec.engine)
 
 
 async def _answer(response: Response) -> Response:

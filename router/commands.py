@@ -33,6 +33,8 @@ async def serve(config: RouterConfig, announce: bool = True) -> None:
         await server.start(config.host, config.port)
         if announce:
             workers = ", ".join(f"{w.worker_id} ({w.role})" for w in config.workers)
+            if config.discovery != "static":
+                workers += f" + {config.discovery} discovery"
             print(
                 f"session-router listening on http://{config.host}:{config.port} "
                 f"policy={config.policy.name} redis={config.redis} "
@@ -44,6 +46,7 @@ async def serve(config: RouterConfig, announce: bool = True) -> None:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, stop.set)
+        loop.add_signal_handler(signal.SIGHUP, router.reload)  # discovery looks again
         await stop.wait()
     finally:
         await server.close(grace_s=10.0)

@@ -22,6 +22,7 @@ from policies.types import Role
 
 Engine = Literal["vllm", "sglang"]
 FirstToken = Literal["decode", "prefill"]
+DiscoveryKind = Literal["static", "file", "dns", "kubernetes"]
 ENV_PREFIX = "SESSION_ROUTER_"
 
 
@@ -50,6 +51,30 @@ class WorkerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     @property
     def base_url(self) -> str:
         return self.url.rstrip("/")
+
+
+def check_worker_url(url: str) -> None:
+    """Raise ConfigError unless `url` is http://host[:port] or https://host[:port]: the
+    schemes the pooled client speaks (every source of workers is checked alike)."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(
+            f"worker URL {url!r}: want http://host:port or https://host:port"
+            + (f" (scheme {parts.scheme!r} is not supported)" if parts.scheme else "")
+        )
+    try:
+        _ = parts.port  # a port that is no number raises
+    except ValueError as exc:
+        raise ConfigError(f"worker URL {url!r}: {exc}") from exc
+
+
+def check_workers(workers: Sequence[WorkerSpec]) -> None:
+    """Raise ConfigError for a duplicate worker id or a URL the router cannot speak."""
+    ids = [worker.worker_id for worker in workers]
+    if len(set(ids)) != len(ids):
+        raise ConfigError(f"duplicate workers: {sorted(ids)}")
+    for worker in workers:
+        check_worker_url(worker.url)
 
 
 class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -116,24 +141,35 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     worker_cert_file: str | None = None
     worker_key_file: str | None = None
     worker_tls_insecure: bool = False
+    # Worker discovery (router.fleet.discovery) beside the static `workers`: a watched file
+    # of [[workers]], a headless Service's DNS records, or Kubernetes pods by label selector.
+    # Workers found there get discovery_role/discovery_engine unless a pod's labels say
+    # otherwise, and discovery_port unless the file, or a pod's annotation, gives one.
+    discovery: DiscoveryKind = "static"
+    discovery_file: str | None = None
+    discovery_interval_s: float = 5.0  # DNS re-resolution; the file's change check (<= 1 s)
+    discovery_dns_name: str | None = None
+    discovery_dns_server: str | None = None  # host[:port]; default: /etc/resolv.conf's
+    discovery_port: int = 8000
+    discovery_scheme: Literal["http", "https"] = "http"
+    discovery_role: Role = "mixed"
+    discovery_engine: Engine = "vllm"
+    discovery_namespace: str | None = None  # default: the service account's namespace
+    discovery_selector: str = ""
+    discovery_api_url: str | None = None  # default: in-cluster, KUBERNETES_SERVICE_HOST/PORT
+    discovery_token_file: str = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+    discovery_ca_file: str = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
+    # a worker that left the fleet is forgotten this long after its last request ended
+    # (until then it shows, draining, in /admin/workers and in the policy's view)
+    departure_grace_s: float = 10.0
 
     def __post_init__(self) -> None:
-        if not self.workers:
-            raise ConfigError("no workers: give --prefill/--decode/--mixed URL or [[workers]]")
-        ids = [worker.worker_id for worker in self.workers]
-        if len(set(ids)) != len(ids):
-            raise ConfigError(f"duplicate workers: {sorted(ids)}")
-        for worker in self.workers:
-            parts = urlsplit(worker.url)
-            if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise ConfigError(
-                    f"worker URL {worker.url!r}: want http://host:port or https://host:port"
-                    + (f" (scheme {parts.scheme!r} is not supported)" if parts.scheme else "")
-                )
-            try:
-                _ = parts.port  # a port that is no number raises
-            except ValueError as exc:
-                raise ConfigError(f"worker URL {worker.url!r}: {exc}") from exc
+        if not self.workers and self.discovery == "static":
+            raise ConfigError(
+                "no workers: give --prefill/--decode/--mixed URL, [[workers]] or --discovery"
+            )
+        check_workers(self.workers)
+        self._check_discovery()
         if self.worker_key_file and not self.worker_cert_file:
             raise ConfigError("worker_key_file needs worker_cert_file (the client certificate)")
         if self.worker_tls_insecure and self.worker_ca_file:
@@ -168,6 +204,25 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 f"session_header must be an HTTP header name, got {self.session_header[:64]!r}"
             )
 
+    def _check_discovery(self) -> None:
+        kind = self.discovery
+        if not self.discovery_interval_s > 0 or not self.departure_grace_s >= 0:
+            raise ConfigError("discovery_interval_s must be positive, departure_grace_s not "
+                              "negative")  # fmt: skip
+        if not 0 < self.discovery_port < 65536:
+            raise ConfigError(f"discovery_port must be a TCP port, got {self.discovery_port}")
+        if kind == "file" and not self.discovery_file:
+            raise ConfigError("--discovery file needs --discovery-file FILE")
+        if kind == "dns" and not self.discovery_dns_name:
+            raise ConfigError("--discovery dns needs --discovery-dns-name (a headless Service)")
+        if kind == "kubernetes" and not self.discovery_selector:
+            raise ConfigError(
+                "--discovery kubernetes needs --discovery-selector (a label selector, "
+                "e.g. app=vllm)"
+            )
+        if self.discovery_api_url is not None:
+            check_worker_url(self.discovery_api_url)  # the same schemes, the same checks
+
 
 # an HTTP header name (RFC 9110 token)
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
@@ -186,7 +241,12 @@ _SCALARS: Mapping[str, type] = {
     "keepalive_requests": int, "redis_timeout_s": float, "redis_connect_timeout_s": float,
     "allow_policy_import": bool, "worker_ca_file": str, "worker_cert_file": str,
     "worker_key_file": str, "worker_tls_insecure": bool,
-    "session_header": str,
+    "session_header": str, "discovery": str, "discovery_file": str,
+    "discovery_interval_s": float, "discovery_dns_name": str, "discovery_dns_server": str,
+    "discovery_port": int, "discovery_scheme": str, "discovery_role": str,
+    "discovery_engine": str, "discovery_namespace": str, "discovery_selector": str,
+    "discovery_api_url": str, "discovery_token_file": str, "discovery_ca_file": str,
+    "departure_grace_s": float,
 }  # fmt: skip
 
 
@@ -405,6 +465,87 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
         "--session-header",
         metavar="NAME",
         help="request header naming a turn's session (default X-Session-Id)",
+    )
+    _add_discovery_options(add)
+
+
+def _add_discovery_options(add: Any) -> None:
+    add(
+        "--discovery",
+        choices=["static", "file", "dns", "kubernetes"],
+        help="where workers come from besides the static ones: a watched file, a headless "
+        "Service's DNS records, Kubernetes pods by label selector (default static)",
+    )
+    add(
+        "--discovery-file",
+        metavar="FILE",
+        help="TOML file of [[workers]], reloaded when it changes and on SIGHUP (default: none)",
+    )
+    add(
+        "--discovery-interval-s",
+        type=float,
+        help="DNS re-resolution period; the file is checked at least every second (default 5)",
+    )
+    add(
+        "--discovery-dns-name",
+        metavar="NAME",
+        help="a headless Service's name: each A/AAAA record is a worker (default: none)",
+    )
+    add(
+        "--discovery-dns-server",
+        metavar="HOST[:PORT]",
+        help="DNS server to ask (default: the nameservers in /etc/resolv.conf)",
+    )
+    add(
+        "--discovery-port",
+        type=int,
+        help="discovered workers' port, unless a pod's session-router/port says (default 8000)",
+    )
+    add(
+        "--discovery-scheme",
+        choices=["http", "https"],
+        help="discovered workers' scheme (default http)",
+    )
+    add(
+        "--discovery-role",
+        choices=["prefill", "decode", "mixed"],
+        help="discovered workers' role, unless a pod's labels say (default mixed)",
+    )
+    add(
+        "--discovery-engine",
+        choices=["vllm", "sglang"],
+        help="discovered workers' engine, unless a pod's labels say (default vllm)",
+    )
+    add(
+        "--discovery-namespace",
+        metavar="NS",
+        help="Kubernetes namespace of the worker pods (default: the router's own)",
+    )
+    add(
+        "--discovery-selector",
+        metavar="SELECTOR",
+        help="label selector of the worker pods, e.g. app=vllm,tier in (p,d) (default: none)",
+    )
+    add(
+        "--discovery-api-url",
+        metavar="URL",
+        help="Kubernetes API server (default: in-cluster, from KUBERNETES_SERVICE_HOST/PORT)",
+    )
+    add(
+        "--discovery-token-file",
+        metavar="FILE",
+        help="bearer token for the Kubernetes API, re-read as it rotates (default: the "
+        "service account's)",
+    )
+    add(
+        "--discovery-ca-file",
+        metavar="FILE",
+        help="CA bundle for the Kubernetes API (default: the service account's)",
+    )
+    add(
+        "--departure-grace-s",
+        type=float,
+        help="a worker that left is forgotten this long after its last request ended (default 10)",
     )
 
 

@@ -15,7 +15,7 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Literal
+from typing import Any, Literal
 
 import aiohttp
 import msgspec
@@ -52,6 +52,31 @@ class WorkerLoad(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 # on_update(worker_id, load or None when the scrape failed, healthy)
 OnUpdate = Callable[[str, WorkerLoad | None, bool], None]
+# on_models(worker_id, the model objects of its /v1/models, each with a string "id")
+OnModels = Callable[[str, tuple[dict[str, Any], ...]], None]
+
+# A worker's /v1/models is read at its first good scrape, as it turns healthy again, and then
+# every MODELS_EVERY_S (LoRA adapters come and go); what it lists is bounded.
+MODELS_EVERY_S = 30.0
+MAX_MODELS = 4096
+MAX_MODEL_ID_CHARS = 1024
+
+
+def parse_models(body: bytes) -> tuple[dict[str, Any], ...]:
+    """The model objects of an OpenAI `/v1/models` answer (LoRA adapters are entries too):
+    each an object with a non-empty string `id`, at most `MAX_MODEL_ID_CHARS` long, ids
+    unique; ValueError for anything else."""
+    data = msgspec.json.decode(body)
+    entries = data.get("data") if isinstance(data, dict) else None
+    if not isinstance(entries, list) or len(entries) > MAX_MODELS:
+        raise ValueError(f"not a model list of at most {MAX_MODELS} entries")
+    models: dict[str, dict[str, Any]] = {}
+    for entry in entries:
+        ident = entry.get("id") if isinstance(entry, dict) else None
+        if not isinstance(ident, str) or not 0 < len(ident) <= MAX_MODEL_ID_CHARS:
+            raise ValueError(f"a model entry without a usable id: {str(entry)[:100]!r}")
+        models.setdefault(ident, entry)
+    return tuple(models.values())
 
 
 _ENGINES: dict[str, EngineMetrics] = {"vllm": vllm.METRICS, "sglang": sglang.METRICS}
@@ -215,6 +240,7 @@ class Scraper:
         *,
         failure_threshold: int = 3,
         clock: Callable[[], float] = time.time,
+        on_models: OnModels | None = None,
     ) -> None:
         if interval_s <= 0 or timeout_s <= 0:
             raise ValueError("interval_s and timeout_s must be positive")
@@ -222,19 +248,53 @@ class Scraper:
         if len(set(ids)) != len(ids):
             raise ValueError("duplicate worker_id in scrape targets")
         self._session = session
-        self._targets = tuple(targets)
-        self._metrics_urls = {t.worker_id: t.url.rstrip("/") + "/metrics" for t in targets}
         self._interval_s = interval_s
         self._timeout_s = timeout_s
         self._on_update = on_update
+        self._on_models = on_models
+        self._models_every = max(1, round(MODELS_EVERY_S / interval_s))  # in scrapes
+        self._failure_threshold = failure_threshold
         self._clock = clock
-        self._health = {t.worker_id: WorkerHealth(failure_threshold) for t in targets}
+        self._targets: dict[str, ScrapeTarget] = {}
+        self._urls: dict[str, tuple[str, str]] = {}  # worker -> (metrics URL, models URL)
+        self._health: dict[str, WorkerHealth] = {}
+        self._models_due: dict[str, int] = {}  # worker -> scrapes until its models are read
         self._loads: dict[str, WorkerLoad] = {}
-        self._healthy: dict[str, bool] = {t.worker_id: True for t in targets}
+        self._healthy: dict[str, bool] = {}
         self._loads_view = MappingProxyType(self._loads)
         self._healthy_view = MappingProxyType(self._healthy)
         self._inflight: dict[str, asyncio.Task[None]] = {}
         self._loop_task: asyncio.Task[None] | None = None
+        for target in targets:
+            self.add(target)
+
+    def add(self, target: ScrapeTarget) -> None:
+        """Scrape one more worker (or a known one at its new URL), from the next tick; while
+        running, its first scrape starts now."""
+        worker_id = target.worker_id
+        known = self._targets.get(worker_id)
+        if known == target:
+            return
+        if known is not None:
+            self.remove(worker_id)
+        base = target.url.rstrip("/")
+        self._targets[worker_id] = target
+        self._urls[worker_id] = (base + "/metrics", base + "/v1/models")
+        self._health[worker_id] = WorkerHealth(self._failure_threshold)
+        self._healthy[worker_id] = True
+        self._models_due[worker_id] = 0
+        if self._loop_task is not None:
+            self._inflight[worker_id] = asyncio.get_running_loop().create_task(self._scrape(target))
+
+    def remove(self, worker_id: str) -> None:
+        """Stop scraping a worker (a scrape in flight is cancelled); no-op for an unknown one."""
+        if self._targets.pop(worker_id, None) is None:
+            return
+        pending = self._inflight.pop(worker_id, None)
+        if pending is not None:
+            pending.cancel()
+        for table in (self._urls, self._health, self._models_due, self._loads, self._healthy):
+            table.pop(worker_id, None)
 
     def loads(self) -> Mapping[str, WorkerLoad]:
         """The last successful load per worker (a live read-only view; stale ones included)."""
@@ -246,6 +306,9 @@ class Scraper:
 
     def worker_health(self, worker_id: str) -> WorkerHealth:
         return self._health[worker_id]
+
+    def targets(self) -> Mapping[str, ScrapeTarget]:
+        return MappingProxyType(self._targets)
 
     def start(self) -> None:
         """Begin scraping in the background; call from within the running event loop."""
@@ -267,11 +330,15 @@ class Scraper:
 
     async def scrape_once(self) -> None:
         """Scrape all targets concurrently, each under its own timeout; wait for all."""
-        await asyncio.gather(*(self._scrape(target) for target in self._targets))
+        await asyncio.gather(*(self._scrape(target) for target in list(self._targets.values())))
 
     def mark_failed_now(self, worker_id: str, reason: str = "connection refused") -> None:
-        """The proxy saw this worker fail: mark it unhealthy without waiting for a scrape."""
-        if self._health[worker_id].mark_failed_now():
+        """The proxy saw this worker fail: mark it unhealthy without waiting for a scrape (a
+        worker no longer scraped is ignored)."""
+        health = self._health.get(worker_id)
+        if health is None:
+            return
+        if health.mark_failed_now():
             logger.warning("worker %s marked unhealthy by the proxy: %s", worker_id, reason)
         self._publish(worker_id, None)
 
@@ -279,7 +346,7 @@ class Scraper:
         loop = asyncio.get_running_loop()
         tick = loop.time()
         while True:
-            for target in self._targets:
+            for target in list(self._targets.values()):
                 pending = self._inflight.get(target.worker_id)
                 if pending is None or pending.done():
                     self._inflight[target.worker_id] = loop.create_task(self._scrape(target))
@@ -288,10 +355,13 @@ class Scraper:
 
     async def _scrape(self, target: ScrapeTarget) -> None:
         worker_id = target.worker_id
+        urls = self._urls.get(worker_id)
+        if urls is None or self._targets.get(worker_id) is not target:
+            return  # removed (or moved) since this scrape was scheduled
         load: WorkerLoad | None = None
         try:
             async with asyncio.timeout(self._timeout_s):
-                async with self._session.get(self._metrics_urls[worker_id]) as response:
+                async with self._session.get(urls[0]) as response:
                     if response.status != 200:
                         raise ValueError(f"HTTP {response.status}")
                     body = await response.read()
@@ -303,13 +373,51 @@ class Scraper:
             # is a failed scrape of this worker only; the scraper itself must keep running.
             self._failed(worker_id, f"{type(exc).__name__}: {exc}")
         else:
+            health = self._health.get(worker_id)
+            if health is None:
+                return  # removed while it was scraped
             self._loads[worker_id] = load
-            if self._health[worker_id].record_success():
+            if health.record_success():
                 logger.info("worker %s healthy again", worker_id)
+                self._models_due[worker_id] = 0  # a restarted worker may serve others now
+            due = self._models_due[worker_id]
+            if due <= 0 and self._on_models is not None:
+                await self._read_models(worker_id, urls[1])
+            else:
+                self._models_due[worker_id] = due - 1
         self._publish(worker_id, load)
 
+    async def _read_models(self, worker_id: str, url: str) -> None:
+        """The worker's /v1/models, to `on_models`; read again in `MODELS_EVERY_S`, or at the
+        next scrape where this one failed."""
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                async with self._session.get(url) as response:
+                    if response.status != 200:
+                        raise ValueError(f"HTTP {response.status}")
+                    body = await response.read()
+            models = parse_models(body)
+        except TimeoutError:
+            logger.warning("worker %s: /v1/models gave no answer within %g s", worker_id,
+                           self._timeout_s)  # fmt: skip
+            return
+        except Exception as exc:  # as for a scrape: this worker's listing only
+            logger.warning("worker %s: /v1/models unusable: %s: %s", worker_id,
+                           type(exc).__name__, exc)  # fmt: skip
+            return
+        if worker_id not in self._targets:
+            return
+        self._models_due[worker_id] = self._models_every
+        assert self._on_models is not None
+        try:
+            self._on_models(worker_id, models)
+        except Exception:
+            logger.exception("on_models failed for worker %s", worker_id)
+
     def _failed(self, worker_id: str, reason: str) -> None:
-        health = self._health[worker_id]
+        health = self._health.get(worker_id)
+        if health is None:
+            return
         if health.record_failure():
             logger.warning(
                 "worker %s unhealthy after %d consecutive failed scrapes, last: %s",
@@ -319,7 +427,10 @@ class Scraper:
             )
 
     def _publish(self, worker_id: str, load: WorkerLoad | None) -> None:
-        healthy = self._health[worker_id].healthy
+        health = self._health.get(worker_id)
+        if health is None:
+            return  # removed while it was scraped
+        healthy = health.healthy
         self._healthy[worker_id] = healthy
         try:
             self._on_update(worker_id, load, healthy)

@@ -1,6 +1,16 @@
-"""The configured workers: who they are, how loaded and healthy, and one pooled HTTP client.
+"""The fleet's workers: who they are, how loaded and healthy, and one pooled HTTP client.
 
-The router only ever connects to these workers, whatever a request says.
+The router only ever connects to these workers, whatever a request says. Workers join and
+leave while the router runs (`add`, `leave`: router.fleet.membership applies discovery's
+changes). A worker that leaves drains: it stays, draining, in the policy's view and in
+`workers` (turns in flight there finish; no new turn is placed there) until its last request
+ended and `departure_grace_s` passed, when `reap` forgets it.
+
+Several models: each worker's models come from its /v1/models. `ModelPool`s, one per model,
+are rebuilt whenever a worker joins, leaves or lists other models, so a turn looks its pool up
+once and the policy sees only the workers serving its model. While no worker has listed its
+models every turn may go anywhere (the router cannot tell them apart), and a worker whose
+models are not known yet is in no model's pool.
 
 Outlier ejection, as Envoy's consecutive-5xx detector: `eject_consecutive_failures` failed
 legs in a row (a 5xx answer, a timeout, a refused or broken connection; a success resets the
@@ -74,12 +84,33 @@ class WorkerState:
     times_ejected: int = 0
     ejections: int = 0
     returned_at: float = 0.0  # when it last came back from an ejection
+    leaving: bool = False  # it left the fleet and drains until `WorkerPool.reap` forgets it
+    left_at: float = 0.0
     pulls: PullMeter = field(default_factory=PullMeter)  # its engine's KV pulls, measured
 
     @property
     def available(self) -> bool:
         """Healthy by its scrapes and not ejected: offered to the policy as healthy."""
         return self.healthy and not self.ejected
+
+    @property
+    def serving(self) -> bool:
+        """Counted among the workers that can take turns: available and not leaving."""
+        return self.healthy and not self.ejected and not self.leaving
+
+
+class ModelPool:
+    """The workers serving one model (`model` None: every worker), and how many of them can
+    take turns now (`serving`). Rebuilt, never edited, when the fleet or its models change;
+    `serving` is recounted when a worker's health changes."""
+
+    __slots__ = ("ids", "members", "model", "serving")
+
+    def __init__(self, model: str | None, members: tuple[WorkerState, ...]) -> None:
+        self.model = model
+        self.members = members
+        self.ids = frozenset(state.spec.worker_id for state in members)
+        self.serving = sum(1 for state in members if state.serving)
 
 
 class WorkerPool:
@@ -92,20 +123,25 @@ class WorkerPool:
         on_ejection: OnEjection | None = None,
         clock: Callable[[], float] = time.monotonic,
         tls: ssl.SSLContext | None = None,
+        departure_grace_s: float = 10.0,
     ) -> None:
         self.tls = tls  # for https:// workers (router.fleet.tls); None: the system's defaults
         self.workers: dict[str, WorkerState] = {spec.worker_id: WorkerState(spec) for spec in specs}
+        self.departure_grace_s = departure_grace_s
         self._session: aiohttp.ClientSession | None = None
         self._upstream: UpstreamPool | None = None
         # read on every turn: kept current where they change, not recounted per request
         self._healthy_count = len(self.workers)
         self._model_names: list[str] = []
+        self._everyone = ModelPool(None, ())
+        self._pools: dict[str, ModelPool] = {}
         self.ejection = ejection if ejection is not None else EjectionConfig()
         self._on_ejection = on_ejection
         self._clock = clock
         self._ejected: dict[str, float] = {}  # worker -> ejected until (monotonic)
         self._next_return = _NEVER  # the earliest of those
         self._return_timer: asyncio.TimerHandle | None = None
+        self._rebuild()
 
     def open_session(self, connect_timeout_s: float) -> aiohttp.ClientSession:
         """Open the pooled clients: `upstream` carries turns (lean, keep-alive, TCP_NODELAY),
@@ -179,7 +215,77 @@ class WorkerPool:
         return self._healthy_count
 
     def _recount(self) -> None:
-        self._healthy_count = sum(1 for s in self.workers.values() if s.healthy and not s.ejected)
+        self._healthy_count = sum(1 for s in self.workers.values() if s.serving)
+        everyone = self._everyone
+        everyone.serving = self._healthy_count if everyone.members else 0
+        for pool in self._pools.values():
+            pool.serving = sum(1 for s in pool.members if s.serving)
+
+    # -- membership -----------------------------------------------------------------------
+    def add(self, spec: WorkerSpec) -> WorkerState:
+        """A worker joins (or one that is leaving comes back, or changes its spec). A new
+        address is a new process: its models are listed again before it serves a model."""
+        state = self.workers.get(spec.worker_id)
+        if state is None:
+            state = self.workers[spec.worker_id] = WorkerState(spec)
+        else:
+            if state.spec.url != spec.url:
+                state.models, state.load, state.healthy = (), None, True
+            state.spec, state.leaving = spec, False
+        self._rebuild()
+        return state
+
+    def leave(self, worker_id: str) -> bool:
+        """The worker left the fleet: it drains (see the module's docstring); False when it
+        is not here or already leaving."""
+        state = self.workers.get(worker_id)
+        if state is None or state.leaving:
+            return False
+        state.leaving, state.left_at = True, self._clock()
+        self._recount()
+        return True
+
+    def reap(self) -> list[str]:
+        """Forget the workers that left, once drained and past `departure_grace_s`; their
+        ids."""
+        now = self._clock()
+        gone = [
+            worker_id for worker_id, state in self.workers.items()
+            if state.leaving and state.inflight <= 0
+            and now - state.left_at >= self.departure_grace_s
+        ]  # fmt: skip
+        if not gone:
+            return gone
+        for worker_id in gone:
+            del self.workers[worker_id]
+            if self._ejected.pop(worker_id, None) is not None:
+                self._next_return = min(self._ejected.values(), default=_NEVER)
+        self._rebuild()
+        return gone
+
+    def pool_for(self, model: str | None) -> ModelPool | None:
+        """The workers a turn for `model` may go to; None for a model no worker serves (and,
+        where several are served, for a turn that names none). One lookup per turn."""
+        pools = self._pools
+        if not pools:
+            return self._everyone  # no worker has listed its models: anyone may serve
+        if model is None:
+            if len(pools) == 1:
+                return next(iter(pools.values()))
+            return None
+        return pools.get(model)
+
+    def _rebuild(self) -> None:
+        """The pools and the model names from the workers as they are now (on a change of
+        membership or of a worker's models, never per turn)."""
+        members: dict[str, list[WorkerState]] = {}
+        for state in self.workers.values():
+            for name in state.models:
+                members.setdefault(name, []).append(state)
+        self._everyone = ModelPool(None, tuple(self.workers.values()))
+        self._pools = {name: ModelPool(name, tuple(states)) for name, states in members.items()}
+        self._model_names = list(members)
+        self._recount()
 
     # -- outlier ejection ---------------------------------------------------------------------
     def record_success(self, worker_id: str) -> None:
@@ -238,7 +344,7 @@ class WorkerPool:
         returned = [w for w, until in self._ejected.items() if until <= now]
         for worker_id in returned:
             del self._ejected[worker_id]
-            state = self.workers[worker_id]
+            state = self.workers[worker_id]  # reap drops a forgotten worker's ejection
             state.ejected, state.consecutive_failures, state.returned_at = False, 0, now
             log.info("worker %s back from its ejection", worker_id)
         self._next_return = min(self._ejected.values(), default=_NEVER)
@@ -274,24 +380,29 @@ class WorkerPool:
                 log.exception("on_ejection failed for worker %s", worker_id)
 
     def model_names(self) -> list[str]:
+        """Every model some worker lists (LoRA adapters included), each once."""
         return self._model_names
 
-    def set_models(self, worker_id: str, models: tuple[str, ...]) -> None:
-        self.workers[worker_id].models = models
-        names: dict[str, None] = {}
-        for state in self.workers.values():
-            for name in state.models:
-                names.setdefault(name)
-        self._model_names = list(names)
+    def set_models(self, worker_id: str, models: tuple[str, ...]) -> bool:
+        """The models a worker listed; True when they changed (the pools are rebuilt)."""
+        state = self.workers.get(worker_id)
+        if state is None or state.models == models:
+            return False
+        state.models = models
+        self._rebuild()
+        return True
 
-    def views(self, fleet_inflight: Mapping[str, int], now: float) -> tuple[WorkerView, ...]:
-        """The policy's view of every worker, with the fleet's in-flight counts (an ejected
-        worker reads as unhealthy)."""
+    def views(
+        self, fleet_inflight: Mapping[str, int], now: float, pool: ModelPool | None = None
+    ) -> tuple[WorkerView, ...]:
+        """The policy's view of the pool's workers (default: every worker), with the fleet's
+        in-flight counts (an ejected worker reads as unhealthy, a leaving one as draining)."""
         if self._ejected:
             self._return_due()
         views = []
-        for worker_id, state in self.workers.items():
+        for state in (self._everyone if pool is None else pool).members:
             load = state.load
+            worker_id = state.spec.worker_id
             views.append(
                 WorkerView(
                     worker_id=worker_id,
@@ -302,7 +413,7 @@ class WorkerPool:
                     kv_usage=load.kv_usage if load else 0.0,
                     inflight=max(state.inflight, fleet_inflight.get(worker_id, 0)),
                     started_since_scrape=state.started_since_scrape,
-                    draining=state.draining,
+                    draining=state.draining or state.leaving,
                     node=state.spec.node,
                     scraped_age_s=max(0.0, now - load.scraped_at) if load else 0.0,
                     priority_scheduling=state.spec.priority_scheduling,

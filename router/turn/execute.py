@@ -47,6 +47,11 @@ class Executor:
             # The prefill worker's streams end meanwhile; a client gone now cancels this.
             await asyncio.sleep(hold)
             ctx.events.released = self._clock.now()
+        workers = self._pool.workers
+        for worker_id in (plan.prefill_worker, plan.answering_worker, plan.refused_link_worker):
+            if worker_id is not None and worker_id not in workers:
+                # it left the fleet, drained and was forgotten while the turn was held
+                raise WorkerUnreachable(worker_id, "it left the fleet")
         transfer = plan.transfer
         if transfer is None or plan.prefill_worker is None:
             return await self._single(ctx, plan.answering_worker)
@@ -185,9 +190,10 @@ class Executor:
     ) -> Response | None:
         """The decode leg failed after the prefill succeeded: prefill locally on another
         decode-capable worker (counted as recomputed). The relay reported the failure."""
+        members = ctx.pool.members if ctx.pool is not None else self._pool.workers.values()
         candidates = [
-            worker_id for worker_id, state in self._pool.workers.items()
-            if worker_id != failed and state.healthy and not state.ejected and not state.draining
+            state.spec.worker_id for state in members
+            if state.spec.worker_id != failed and state.serving and not state.draining
             and state.spec.role in ("decode", "mixed")
         ]  # fmt: skip
         if not candidates:

@@ -24,7 +24,7 @@ from policies.types import ClusterView, Turn
 from router.config import RouterConfig
 from router.engines import leg_body
 from router.errors import RouterError, error_response, stream_error_frames
-from router.fleet.workers import WorkerPool
+from router.fleet.workers import ModelPool, WorkerPool
 from router.http import (
     Response,
     StreamWriter,
@@ -78,6 +78,8 @@ class TurnContext:
     failed_midstream: bool = False
     served_by: str | None = None
     view: ClusterView | None = field(default=None, repr=False)  # the last decision's
+    # the workers serving the turn's model (set at admission): every leg goes to one of them
+    pool: ModelPool | None = field(default=None, repr=False)
     # what its requests carry as `priority` to engines with priority scheduling: when its
     # first token is due (`policies.types.engine_priority`); None: they carry none
     engine_priority: int | None = None
@@ -204,16 +206,17 @@ class LegRunner:
         timed_out = isinstance(exc, UpstreamTimeout)
         if not ctx.writer.started and (
             isinstance(exc, UpstreamConnectError)
-            or (timed_out and not ctx.events.retried and self._elsewhere(worker_id))
+            or (timed_out and not ctx.events.retried and self._elsewhere(worker_id, ctx.pool))
         ):
             return WorkerUnreachable(worker_id, str(exc))
         return RouterError(504 if timed_out else 502, f"worker {worker_id} failed: {exc}")
 
-    def _elsewhere(self, worker_id: str) -> bool:
-        """Whether some worker besides this one is healthy and not ejected."""
+    def _elsewhere(self, worker_id: str, pool: ModelPool | None = None) -> bool:
+        """Whether some worker besides this one (of the turn's pool) can take turns."""
         state = self.pool.workers.get(worker_id)
-        own = 1 if state is not None and state.healthy and not state.ejected else 0
-        return self.pool.healthy_count() > own
+        own = 1 if state is not None and state.serving else 0
+        serving = self.pool.healthy_count() if pool is None else pool.serving
+        return serving > own
 
     async def relay(
         self,
@@ -332,6 +335,10 @@ class LegRunner:
         await ctx.writer.end()
 
     def inflight(self, worker_id: str) -> _Inflight:
+        """Counts a request on the worker while it runs; `WorkerUnreachable` where the worker
+        left the fleet and is forgotten already (the turn is placed again)."""
+        if worker_id not in self.pool.workers:
+            raise WorkerUnreachable(worker_id, "it left the fleet")
         return _Inflight(self.pool, self._state, worker_id)
 
 

@@ -27,7 +27,7 @@ from policies.types import (
 )
 from router.config import RouterConfig
 from router.errors import RouterError, stream_error_frames
-from router.fleet.workers import WorkerPool
+from router.fleet.workers import ModelPool, WorkerPool
 from router.http import Request, Response, StreamWriter
 from router.obs.events import EventLog, StageClock, StageEvents
 from router.obs.metrics import RouterMetrics
@@ -162,9 +162,9 @@ class TurnPipeline:
         client gets back (its own X-Request-Id where it sent one)."""
         raw = request.body  # the server already refused bodies over --max-body-bytes (413)
         fields, body = decode_turn_body(raw, chat)
-        models = self._pool.model_names()
-        if fields.model is not None and models and fields.model not in models:
-            raise RouterError(404, f"The model `{fields.model[:256]}` does not exist.", "model")
+        pool = self._pool.pool_for(fields.model)
+        if pool is None:
+            raise unknown_model(fields.model, self._pool.model_names())
         session_id = session_identity(
             request.headers.get(self._session_key), fields, self._session_header
         )
@@ -179,7 +179,8 @@ class TurnPipeline:
         if record is UNKNOWN:
             record = await self._state.load_session(session_id)
         uncached = prompt_tokens
-        if record is not None:
+        if record is not None and record.worker_id in pool.ids:
+            # (a worker forgotten since, or serving another model, holds nothing of use)
             uncached = max(1, prompt_tokens - record.tokens)
         cap = fields.output_cap
         turn = Turn(
@@ -201,7 +202,8 @@ class TurnPipeline:
         return TurnContext(writer=writer, chat=chat, raw=raw, fields=fields, _body=body,
                            session_id=session_id, request_id=echo_id, turn=turn,
                            record=record, events=events, headers=headers,
-                           prompt_chars=chars if id_count is None else 0)  # fmt: skip
+                           prompt_chars=chars if id_count is None else 0,
+                           pool=pool)  # fmt: skip
 
     def _objectives(self, request: Request, prompt_tokens: int) -> Objectives:
         ttft = self._config.slo_ttft_ms
@@ -212,13 +214,15 @@ class TurnPipeline:
         itl = objective_ms(headers.get("x-slo-itl-ms"), "X-SLO-ITL-Ms", self._config.slo_itl_ms)
         return Objectives(ttft_ms=ttft, itl_ms=itl)
 
-    def view(self, record: SessionRecord | None) -> ClusterView:
+    def view(self, record: SessionRecord | None, pool: ModelPool | None = None) -> ClusterView:
+        """The policy's view: the workers of `pool` (those serving the turn's model; default:
+        every worker), the links, the session's residency."""
         now = time.time()
         links = self._state.policy_links()
         residency: Residency | None = record.to_residency() if record is not None else None
         return ClusterView(
             now_s=now,
-            workers=self._pool.views(self._state.fleet_inflight(), now),
+            workers=self._pool.views(self._state.fleet_inflight(), now, pool),
             links=links,
             residency=residency,
             kv_bytes_per_token=self._config.kv_bytes_per_token,
@@ -226,7 +230,13 @@ class TurnPipeline:
 
     def _decide(self, ctx: TurnContext) -> tuple[Decision, Plan]:
         holder = self._policy
-        view = self.view(ctx.record)
+        # the pool as it is now: the fleet may have changed since admission (or the try
+        # before this one)
+        pool = self._pool.pool_for(ctx.fields.model)
+        if pool is None:
+            raise unknown_model(ctx.fields.model, self._pool.model_names())
+        ctx.pool = pool
+        view = self.view(ctx.record, pool)
         started = time.perf_counter()
         try:
             decision = holder.policy.decide(ctx.turn, view)
@@ -246,8 +256,9 @@ class TurnPipeline:
         return decision, plan
 
     async def _place_and_run(self, ctx: TurnContext) -> Response | None:
-        if self._pool.healthy_count() == 0:
-            raise RouterError(503, "no healthy worker is available", retry_after_s=1.0)
+        if self._serving(ctx) == 0:
+            raise RouterError(503, "no healthy worker is available" + _for_model(ctx.pool),
+                              retry_after_s=1.0)  # fmt: skip
         if self._unsettled:  # runs once this turn waits on its worker
             self._loop().call_soon(self.settle)
         failed: WorkerUnreachable | None = None
@@ -266,11 +277,17 @@ class TurnPipeline:
                 self._metrics.retry("connect")
                 ctx.events.retried = True
                 failed = exc
-                if attempt == 1 or self._pool.healthy_count() == 0:
+                if attempt == 1 or self._serving(ctx) == 0:
                     raise RouterError(
                         503, f"no worker reachable: {exc}", retry_after_s=1.0
                     ) from exc
         raise AssertionError("unreachable")
+
+    def _serving(self, ctx: TurnContext) -> int:
+        """Workers that can take the turn now: of its model's pool (one read)."""
+        if self._pool.healthy_count() == 0:
+            return 0  # (also brings back workers whose ejection ended)
+        return ctx.pool.serving if ctx.pool is not None else self._pool.healthy_count()
 
     def _finish(self, ctx: TurnContext | None, events: StageEvents) -> None:
         """Commit residency at once (the session's next turn reads it); count, learn and log
@@ -364,6 +381,20 @@ class TurnPipeline:
         tokens = usage.prompt_tokens + usage.completion_tokens
         nbytes = kv_bytes(tokens, self._config.kv_bytes_per_token)
         self._state.commit_session_nowait(ctx.session_id, ctx.served_by, tokens, nbytes, expected)
+
+
+def unknown_model(model: str | None, served: list[str]) -> RouterError:
+    """The error for a turn no pool takes: a model no worker serves (404, as vLLM says it), or
+    no model named where several are served (400)."""
+    if model is None:
+        names = ", ".join(served[:8]) + (", ..." if len(served) > 8 else "")
+        return RouterError(400, f"model is required: this router serves several ({names})",
+                           "model")  # fmt: skip
+    return RouterError(404, f"The model `{model[:256]}` does not exist.", "model")
+
+
+def _for_model(pool: ModelPool | None) -> str:
+    return "" if pool is None or pool.model is None else f" for model `{pool.model[:256]}`"
 
 
 def objective_ms(value: str | None, header: str, default: float) -> float:

@@ -34,6 +34,7 @@ class RecordingWorker:
     """Answers like an engine: streams `tokens` chunks with usage, or one JSON body."""
 
     tokens: int = 3
+    model: str = "m"  # what its /v1/models lists
     cached: int = 0  # the prompt tokens its usage reports cached
     received: list[Received] = field(default_factory=list)
     runner: web.AppRunner | None = None
@@ -66,7 +67,8 @@ class RecordingWorker:
         return web.Response()
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "m", "object": "model"}]})
+        return web.json_response({"object": "list",
+                                  "data": [{"id": self.model, "object": "model"}]})  # fmt: skip
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = json.loads(await request.read())

@@ -15,6 +15,7 @@ import pytest
 from tests.conftest import free_port
 from tests.e2e.conftest import SimCluster, StartRouter, start_sim_cluster, workers_args
 from tests.e2e.helpers import admin_get, chat, metric_sum
+from tests.e2e.recording_worker import RecordingWorker
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 
@@ -78,15 +79,20 @@ async def test_no_healthy_worker_is_503_with_retry_after(start_router: StartRout
 async def test_refused_connection_is_retried_once_on_another_worker(
     sim4: SimCluster, start_router: StartRouter, tmp_path: Path
 ) -> None:
-    dead = f"http://127.0.0.1:{free_port()}"
-    # ids chosen so the dead worker sorts first: a new session's least-loaded tie picks it
+    # a worker that listed the model at the router's start, then died (no scrape since): its
+    # ids chosen so that it sorts first, and a new session's least-loaded tie picks it
+    doomed = RecordingWorker(model="llama-3.1-8b")
+    await doomed.start()
     config = tmp_path / "router.toml"
     config.write_text(
         'policy = { name = "colocate" }\n'
-        f'[[workers]]\nurl = "{dead}"\nrole = "mixed"\nid = "a-dead"\n'
+        f'[[workers]]\nurl = "{doomed.url}"\nrole = "mixed"\nid = "a-dead"\n'
         f'[[workers]]\nurl = "{sim4.urls[0]}"\nrole = "mixed"\nid = "b-alive"\n'
     )
-    router = start_router("--config", str(config), "--scrape-interval-ms", "60000")
+    # started from a thread: this loop serves the doomed worker's first scrape meanwhile
+    router = await asyncio.to_thread(start_router, "--config", str(config),
+                                     "--scrape-interval-ms", "60000")  # fmt: skip
+    await doomed.stop()
     async with aiohttp.ClientSession() as http:
         _answer, usage, response = await chat(http, router.url, MESSAGES, session_id="retry-1")
         assert response.status == 200 and usage["completion_tokens"] == 8

@@ -102,3 +102,33 @@ def test_which_workers_schedule_by_priority(
         argv = (*argv, "--mixed", "http://a:1")
     (worker,) = load_config(parse(*argv), environ=environ).workers
     assert worker.priority_scheduling is expected
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("--discovery", "file"), "--discovery-file"),
+        (("--discovery", "dns"), "--discovery-dns-name"),
+        (("--discovery", "kubernetes"), "--discovery-selector"),
+        (("--discovery", "dns", "--discovery-dns-name", "x", "--discovery-port", "0"), "port"),
+        (("--discovery", "dns", "--discovery-dns-name", "x", "--discovery-interval-s", "0"),
+         "discovery_interval_s"),
+        (("--discovery", "kubernetes", "--discovery-selector", "app=x",
+          "--discovery-api-url", "ftp://api:1"), "scheme"),
+        ((), "--discovery"),  # no workers from anywhere
+    ],
+)  # fmt: skip
+def test_discovery_options_are_checked(argv: tuple[str, ...], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(parse(*argv), environ={})
+
+
+def test_discovery_needs_no_static_workers_and_keeps_them_when_given() -> None:
+    config = load_config(parse("--discovery", "kubernetes", "--discovery-selector", "app=vllm",
+                               "--discovery-role", "decode", "--mixed", "http://a:1"),
+                         environ={})  # fmt: skip
+    assert config.discovery == "kubernetes" and config.discovery_role == "decode"
+    assert [w.url for w in config.workers] == ["http://a:1"]
+    env = {"SESSION_ROUTER_DISCOVERY": "dns", "SESSION_ROUTER_DISCOVERY_DNS_NAME": "w.ns"}
+    config = load_config(parse(), environ=env)
+    assert config.discovery_dns_name == "w.ns" and config.workers == ()

@@ -67,6 +67,8 @@ class FakeWorker:
     prompt_tokens: int = 12
     cached: int = 0  # what its usage reports as cached prompt tokens
     model: str = "m"
+    adapters: tuple[str, ...] = ()  # LoRA adapters it lists beside `model`
+    delay_s: float = 0.0  # waits this long before answering a generation request
     spaced_json: bool = False  # stream frames as json.dumps writes them, not compact like vLLM
     running: int = 0
     waiting: int = 0
@@ -145,8 +147,11 @@ class FakeWorker:
         return web.Response()
 
     async def _models(self, request: web.Request) -> web.Response:
-        model = {"id": self.model, "object": "model", "owned_by": "vllm", "max_model_len": 8192}
-        return web.json_response({"object": "list", "data": [model]})
+        model = {"id": self.model, "object": "model", "owned_by": "vllm", "max_model_len": 8192,
+                 "root": self.model, "parent": None}  # fmt: skip
+        adapters = [{"id": name, "object": "model", "owned_by": "vllm", "root": f"/lora/{name}",
+                     "parent": self.model} for name in self.adapters]  # fmt: skip
+        return web.json_response({"object": "list", "data": [model, *adapters]})
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
@@ -155,6 +160,8 @@ class FakeWorker:
         self._arrived.set()
         fault = self._faults.popleft() if self._faults else self._always
         finished = False
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
         try:
             response = await self._answer(request, got, fault)
             finished = True
