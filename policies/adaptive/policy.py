@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import ClassVar
 
 from policies.adaptive import tuning
 from policies.adaptive.admission import Admission, Deadlines
@@ -97,8 +98,8 @@ _TIE_ORDER: dict[Action, int] = {"colocate": 0, "handoff": 1, "migrate": 2, "rec
 class AdaptivePolicy:
     """Colocate, hand off, migrate, recompute or reject, whichever costs least (see module)."""
 
-    name = "adaptive"
-    Params = AdaptiveParams
+    name: ClassVar[str] = "adaptive"
+    Params: ClassVar[type[AdaptiveParams]] = AdaptiveParams
 
     def __init__(self, params: AdaptiveParams | None = None, *, exhaustive: bool = False) -> None:
         self.params = p = params if params is not None else AdaptiveParams()
@@ -150,12 +151,12 @@ class AdaptivePolicy:
             wid = worker.worker_id
             index[wid] = worker
             if worker.healthy and not worker.draining:
-                key = (worker.inflight + worker.running + 2 * worker.waiting, wid)
+                load = (worker.inflight + worker.running + 2 * worker.waiting, wid)
                 role = worker.role
                 if role in DECODE_ROLES:
-                    (roomy_keys if worker.kv_usage < kv_limit else full_keys).append(key)
+                    (roomy_keys if worker.kv_usage < kv_limit else full_keys).append(load)
                 if role in PREFILL_ROLES:
-                    prefill_keys.append(key)
+                    prefill_keys.append(load)
         self._work.settle_pending(index, now)
         if not roomy_keys and not full_keys:
             return reject_no_worker("decode")
