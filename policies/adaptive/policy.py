@@ -58,6 +58,7 @@ the chosen. The reason states I and H + dQ + dC in expected misses.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable
 from typing import ClassVar
@@ -145,6 +146,7 @@ class AdaptivePolicy:
         index: dict[str, WorkerView] = {}
         roomy_keys: list[LoadKey] = []  # decode-capable with KV usage below migrate_kv_usage
         full_keys: list[LoadKey] = []  # decode-capable, the others
+        usages: list[tuple[float, str]] = []  # decode-capable: KV usage, id
         prefill_keys: list[LoadKey] = []
         kv_limit = p.migrate_kv_usage
         for worker in view.workers:
@@ -154,7 +156,9 @@ class AdaptivePolicy:
                 load = (worker.inflight + worker.running + 2 * worker.waiting, wid)
                 role = worker.role
                 if role in DECODE_ROLES:
-                    (roomy_keys if worker.kv_usage < kv_limit else full_keys).append(load)
+                    usage = worker.kv_usage
+                    (roomy_keys if usage < kv_limit else full_keys).append(load)
+                    usages.append((usage, wid))
                 if role in PREFILL_ROLES:
                     prefill_keys.append(load)
         self._work.settle_pending(index, now)
@@ -174,7 +178,13 @@ class AdaptivePolicy:
         pool = roomy_keys if roomy > 0 else roomy_keys + full_keys
         exhaustive = self._exhaustive
         screened = len(pool) if exhaustive else tuning.SCREENED_WORKERS
-        screen = [index[wid] for wid in least_loaded(pool, screened, skip)]
+        chosen = least_loaded(pool, screened, skip)
+        if len(pool) > screened + 1:
+            # and the emptiest caches: where a turn's KV evicts least and crowds no stream
+            taken = set(chosen)
+            emptiest = heapq.nsmallest(p.shortlist + len(taken) + 1, usages)
+            chosen += [w for _, w in emptiest if w not in taken and w != skip][: p.shortlist]
+        screen = [index[wid] for wid in chosen]
         # Up to the screen's size, every decode-capable worker prices a context prefilled
         # again; past it, the workers scored here do (the least loaded: it errs low).
         decoders = len(roomy_keys) + len(full_keys)
