@@ -15,6 +15,7 @@ import pytest
 import router
 import router.http
 import router.turn.pipeline
+from policies import native as policies_native
 from router import native
 
 _MODULE = "pkg/hot.py"
@@ -145,7 +146,7 @@ def test_the_status_command_says_what_activation_found(capsys: pytest.CaptureFix
         if fresh
         else router_line.startswith("native hot path: off")
     )
-    policies = native.policies_native.is_fresh()
+    policies = policies_native.is_fresh()
     assert (
         policies_line == "native policies: on"
         if policies
