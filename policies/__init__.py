@@ -3,6 +3,10 @@
 Imports nothing of the project outside this package and no I/O library (msgspec only).
 """
 
+from policies.native import activate as _activate
+
+_activate(__path__, __name__)  # before the imports below: they load the compiled modules
+
 from policies.adaptive.policy import AdaptiveParams, AdaptivePolicy
 from policies.base import Policy
 from policies.params import NoParams, PolicyConfigError

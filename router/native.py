@@ -26,6 +26,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from policies import native as policies_native
+
 MODULES = (
     "router/http/headers.py",
     "router/http/server.py",
@@ -121,8 +123,11 @@ def defines_struct(source: str) -> bool:
     return False
 
 
-def build(root: Path = ROOT, out: Path = OUT, modules: tuple[str, ...] = MODULES) -> None:
-    """Compile `modules` into `out` and write the manifest `activate` checks."""
+def build(
+    root: Path = ROOT, out: Path = OUT, modules: tuple[str, ...] = MODULES, group: str = GROUP
+) -> None:
+    """Compile `modules` into `out` (their shared library named `group`) and write the
+    manifest `activate` checks."""
     structs = [m for m in modules if defines_struct((root / m).read_text())]
     if structs:
         raise SystemExit(f"these modules define msgspec Structs and cannot be compiled: {structs}")
@@ -134,14 +139,14 @@ def build(root: Path = ROOT, out: Path = OUT, modules: tuple[str, ...] = MODULES
     os.chdir(root)  # mypy reads the project's configuration, paths are the module names
     try:
         with tempfile.TemporaryDirectory() as temp:
-            extensions = mypycify(list(modules), opt_level="3", group_name=GROUP,
+            extensions = mypycify(list(modules), opt_level="3", group_name=group,
                                   target_dir=temp)  # fmt: skip
             command = ["-q", "build_ext", "--build-lib", str(out), "--build-temp", temp]
-            setup(name=GROUP, ext_modules=extensions, script_args=command)
+            setup(name=group, ext_modules=extensions, script_args=command)
     finally:
         os.chdir(here)
     (out / LIBRARY).mkdir()
-    for library in out.glob(GROUP + "__mypyc*"):
+    for library in out.glob(group + "__mypyc*"):
         library.rename(out / LIBRARY / library.name)
     (out / MANIFEST).write_text(json.dumps(fingerprint(root, modules)))
 
@@ -152,14 +157,21 @@ def _run(args: argparse.Namespace) -> int:
         build()
         fresh = _is_fresh(ROOT, OUT)
     print("native hot path:", "on" if fresh else status)
-    return 0 if fresh or args.action == "status" else 1
+    # the adaptive policy's hot path (`policies.native` loads it; policies import no router)
+    policy = policies_native.is_fresh()
+    if args.action == "build" and not (args.if_stale and policy):
+        build(ROOT, policies_native.OUT, policies_native.MODULES, policies_native.GROUP)
+        policy = policies_native.is_fresh()
+    print("native policies:", "on" if policy else policies_native.status)
+    return 0 if (fresh and policy) or args.action == "status" else 1
 
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "native", help="build the router's compiled hot path, or say whether it is fresh",
-        description="Compile the router's hot path with mypyc into .native/ (build), or say "
-        "whether the build there matches the sources (status).",
+        description="Compile the router's and the adaptive policy's hot paths with mypyc into "
+        ".native/ and .native-policies/ (build), or say whether the builds there match the "
+        "sources (status).",
     )  # fmt: skip
     parser.add_argument("action", choices=("build", "status"))
     parser.add_argument("--if-stale", action="store_true", help="build only when not fresh")

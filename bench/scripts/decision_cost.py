@@ -7,9 +7,11 @@ or half prefill and half decode) whose scraped load varies from turn to turn, wi
 full mesh of links (one tuple, reused as the router reuses it between ledger refreshes). Most
 turns return to a session resident on some decode-capable worker; each turn's outcome is
 observed after `--inflight` later turns were placed, as turns finish in a live router. The
-fleets and turns come from `--seed`, so two runs (two commits) time the same decisions.
+fleets and turns come from `--seed`, so two runs (two commits) time the same decisions. Each
+sample is CPU time (`time.process_time`): on a shared machine, wall time also counts the turns
+the process waited for a core.
 
-    .venv/bin/python -m bench.scripts.decision_cost --workers 2,8,16,64
+    .venv/bin/python -m bench.scripts.decision_cost --workers 2,8,16,64,256,512
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ def time_decisions(
 ) -> list[float]:
     """Seconds of `decide` plus the `observe` of the turn it retires, per turn."""
     pending: deque[tuple[Turn, Decision]] = deque()
-    clock = time.perf_counter
+    clock = time.process_time
     samples: list[float] = []
     for turn, view in turns(roles, count, seed):
         started = clock()
@@ -127,7 +129,7 @@ def time_decisions(
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--policies", default="adaptive,colocate,round-robin,threshold")
-    parser.add_argument("--workers", default="2,8,16,64", help="fleet sizes")
+    parser.add_argument("--workers", default="2,8,16,64,256,512", help="fleet sizes")
     parser.add_argument("--layouts", default="mixed,split")
     parser.add_argument("--decisions", type=int, default=600)
     parser.add_argument("--warmup", type=int, default=100, help="turns not timed, first")

@@ -6,10 +6,13 @@ event of their own: mostly those fast-forwarded as `sim.engine.decode_run.Decode
 of the CPU time the engine itself took (`Engine.begin_step` + `finish_step`, `DecodeRun.plan`
 + `advance`, timed around each call, so that share is slightly overstated). With
 `--profile FILE` the run is profiled with cProfile and the top functions by own time are
-printed. Run:
+printed. With `--workers 64,256,512` it reports per fleet size instead: the cluster grown to
+that many workers and the trace replicated to fill it (one copy per `--cluster`'s worth of
+workers, each with its own sessions and prefix blocks, arriving together). Run:
 
     .venv/bin/python -m bench.scripts.des_speed \\
         --trace ../shared/traces/mooncake_synthetic_trace.jsonl --policy colocate
+    .venv/bin/python -m bench.scripts.des_speed --policy adaptive --workers 64,256,512
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import msgspec
 
 from bench.des import SimConfig, SimResult, simulate
 from bench.stack.layout import ClusterSpec, worker_roles
-from bench.traces.model import Trace, load_trace
+from bench.traces.model import Conversation, Trace, load_trace
 from policies import create_policy
 from sim.engine.decode_run import DecodeRun
 from sim.engine.engine import Engine
@@ -71,6 +74,27 @@ class EngineTimer:
             setattr(owner, name, attribute)
 
 
+def replicated(trace: Trace, copies: int) -> Trace:
+    """`copies` of `trace` arriving together, each with its own sessions and prefix blocks."""
+    if copies <= 1:
+        return trace
+    blocks = 1 + max((b for c in trace.conversations for t in c.turns for b in t.prefix_blocks),
+                     default=0)  # fmt: skip
+    conversations: list[Conversation] = []
+    for copy in range(copies):
+        for conversation in trace.conversations:
+            turns = tuple(
+                msgspec.structs.replace(t, prefix_blocks=tuple(b + copy * blocks
+                                                               for b in t.prefix_blocks))
+                for t in conversation.turns
+            )  # fmt: skip
+            session = f"{conversation.session_id}~{copy}"
+            conversations.append(msgspec.structs.replace(conversation, session_id=session,
+                                                         turns=turns))  # fmt: skip
+    name = f"{trace.name} x{copies}"
+    return msgspec.structs.replace(trace, name=name, conversations=tuple(conversations))
+
+
 def run(trace: Trace, policy: str, config: SimConfig, rate_scale: float) -> SimResult:
     return simulate(trace, create_policy(policy), config, rate_scale, policy)
 
@@ -86,7 +110,11 @@ def main() -> None:
     parser.add_argument("--engine-share", action="store_true",
                         help="also time the engine share (a second run)")  # fmt: skip
     parser.add_argument("--profile", metavar="FILE", help="cProfile the run into FILE")
+    parser.add_argument("--workers", help="fleet sizes (e.g. 64,256,512): a report for each")
     args = parser.parse_args()
+    if args.workers:
+        per_size(args)
+        return
 
     started = time.process_time()
     trace = load_trace(args.trace)
@@ -130,6 +158,27 @@ def main() -> None:
         report["engine_cpu_s"] = round(timer.seconds, 3)
         report["engine_share_of_cpu"] = round(timer.seconds / again.stats.cpu_s, 3)
     print(msgspec.json.encode(report).decode())
+
+
+def per_size(args: argparse.Namespace) -> None:
+    """One line per fleet size: the cluster grown to it, the trace replicated to fill it."""
+    trace = load_trace(args.trace)
+    base = ClusterSpec.parse(args.cluster)
+    for size in (int(n) for n in args.workers.split(",")):
+        cluster = ClusterSpec(size, base.gpu, base.model, base.tp)
+        scaled = replicated(trace, max(1, size // base.workers))
+        if args.limit is not None:
+            scaled = scaled.slice(args.limit)
+        roles = tuple(worker_roles(args.policy, cluster.workers))
+        config = SimConfig(cluster=cluster, roles=roles, noise_sigma=args.noise)
+        result = run(scaled, args.policy, config, args.rate_scale)
+        stats = result.stats
+        print(msgspec.json.encode({
+            "policy": args.policy, "cluster": str(cluster), "trace": scaled.name,
+            "requests": len(result.results), "cpu_s": round(stats.cpu_s, 3),
+            "requests_per_cpu_s": round(len(result.results) / stats.cpu_s, 1),
+            "events_per_cpu_s": round(stats.events / stats.cpu_s),
+        }).decode(), flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -58,8 +58,10 @@ the chosen. The reason states I and H + dQ + dC in expected misses.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable
+from typing import ClassVar
 
 from policies.adaptive import tuning
 from policies.adaptive.admission import Admission, Deadlines
@@ -71,7 +73,12 @@ from policies.adaptive.ledgers.streams import Leg, StreamLedger
 from policies.adaptive.ledgers.work import WorkLedger
 from policies.adaptive.params import AdaptiveParams as AdaptiveParams
 from policies.adaptive.scoring import Scorer
-from policies.adaptive.shortlists import decode_shortlist, prefill_shortlist
+from policies.adaptive.shortlists import (
+    LoadKey,
+    decode_shortlist,
+    least_loaded,
+    prefill_shortlist,
+)
 from policies.costmodel.calibration import Average
 from policies.costmodel.estimates import Estimates, PrefillLeg
 from policies.eligibility import DECODE_ROLES, PREFILL_ROLES, can_serve, reject_no_worker
@@ -92,11 +99,13 @@ _TIE_ORDER: dict[Action, int] = {"colocate": 0, "handoff": 1, "migrate": 2, "rec
 class AdaptivePolicy:
     """Colocate, hand off, migrate, recompute or reject, whichever costs least (see module)."""
 
-    name = "adaptive"
-    Params = AdaptiveParams
+    name: ClassVar[str] = "adaptive"
+    Params: ClassVar[type[AdaptiveParams]] = AdaptiveParams
 
-    def __init__(self, params: AdaptiveParams | None = None) -> None:
+    def __init__(self, params: AdaptiveParams | None = None, *, exhaustive: bool = False) -> None:
         self.params = p = params if params is not None else AdaptiveParams()
+        # Score every worker, not the shortlists' few (what the shortlists are tested against).
+        self._exhaustive = exhaustive
         self.estimates = Estimates.from_presets(
             p.gpu, p.model, p.tp, chunk_tokens=p.chunked_prefill, rate=p.learning_rate
         )
@@ -129,29 +138,57 @@ class AdaptivePolicy:
 
     def decide(self, turn: Turn, view: ClusterView) -> Decision:
         p = self.params
-        if view.now_s > self._now_s:
-            self._now_s = view.now_s
-        decode_pool: list[WorkerView] = []
-        prefill_pool: list[WorkerView] = []
+        now = view.now_s
+        if now > self._now_s:
+            self._now_s = now
+        # One pass over the fleet reads each worker's load and nothing more: the terms are
+        # computed only for the workers the shortlists keep (`policies.adaptive.shortlists`).
+        index: dict[str, WorkerView] = {}
+        roomy_keys: list[LoadKey] = []  # decode-capable with KV usage below migrate_kv_usage
+        full_keys: list[LoadKey] = []  # decode-capable, the others
+        usages: list[tuple[float, str]] = []  # decode-capable: KV usage, id
+        prefill_keys: list[LoadKey] = []
+        kv_limit = p.migrate_kv_usage
         for worker in view.workers:
-            scraped_s = view.now_s - worker.scraped_age_s
-            if math.isfinite(scraped_s):
-                self._work.settle(worker.worker_id, scraped_s, worker.waiting)
-            if worker.accepts_new_work:
-                if worker.role in DECODE_ROLES:
-                    decode_pool.append(worker)
-                if worker.role in PREFILL_ROLES:
-                    prefill_pool.append(worker)
-        if not decode_pool:
+            wid = worker.worker_id
+            index[wid] = worker
+            if worker.healthy and not worker.draining:
+                load = (worker.inflight + worker.running + 2 * worker.waiting, wid)
+                role = worker.role
+                if role in DECODE_ROLES:
+                    usage = worker.kv_usage
+                    (roomy_keys if usage < kv_limit else full_keys).append(load)
+                    usages.append((usage, wid))
+                if role in PREFILL_ROLES:
+                    prefill_keys.append(load)
+        self._work.settle_pending(index, now)
+        if not roomy_keys and not full_keys:
             return reject_no_worker("decode")
         residency = view.residency
-        source = view.worker(residency.worker_id) if residency is not None else None
+        source = index.get(residency.worker_id) if residency is not None else None
         resident = source if source is not None and can_serve(source, DECODE_ROLES) else None
         links = view.links
         if links is not self._indexed_links:
             self._link_index = {(link.src, link.dst): link for link in links}
             self._indexed_links = links
         prefix = _prefix_of(self._prefixes, turn)
+        skip = resident.worker_id if resident is not None else ""
+        # A new answer goes where its KV fits: a full cache preempts the streams running there.
+        roomy = len(roomy_keys) - (resident is not None and resident.kv_usage < kv_limit)
+        pool = roomy_keys if roomy > 0 else roomy_keys + full_keys
+        exhaustive = self._exhaustive
+        screened = len(pool) if exhaustive else tuning.SCREENED_WORKERS
+        chosen = least_loaded(pool, screened, skip)
+        if len(pool) > screened + 1:
+            # and the emptiest caches: where a turn's KV evicts least and crowds no stream
+            taken = set(chosen)
+            emptiest = heapq.nsmallest(p.shortlist + len(taken) + 1, usages)
+            chosen += [w for _, w in emptiest if w not in taken and w != skip][: p.shortlist]
+        screen = [index[wid] for wid in chosen]
+        # Up to the screen's size, every decode-capable worker prices a context prefilled
+        # again; past it, the workers scored here do (the least loaded: it errs low).
+        decoders = len(roomy_keys) + len(full_keys)
+        small = exhaustive or decoders <= tuning.SCREENED_WORKERS
         scorer = Scorer(
             turn,
             view,
@@ -168,20 +205,24 @@ class AdaptivePolicy:
             max_hold_s=p.max_hold_s,
             continuing=self._admission.continuing,
             cache=self._cache,
+            index=index,
+            host_fresh_s=0.0 if small else tuning.HOST_RATE_FRESH_S,
         )
         key = _rank_key(turn)
-        # A new answer goes where its KV fits: a full cache preempts the streams running there.
-        roomy = [w for w in decode_pool if w is not resident and w.kv_usage < p.migrate_kv_usage]
-        if not roomy:
-            roomy = [w for w in decode_pool if w is not resident]
-        others = decode_shortlist(roomy, p.shortlist, scorer)
+        others = decode_shortlist(screen, p.shortlist, scorer)
         decode_targets = [resident, *others] if resident is not None else others
+        prefills = prefill_shortlist(
+            prefill_keys, index, p.shortlist, prefix, scorer, None if exhaustive else self._stalls
+        )
+        if not small:
+            scored = {w.worker_id: w for w in (resident, *screen, *prefills) if w is not None}
+            scorer.refill_from([w for w in scored.values() if can_serve(w, DECODE_ROLES)])
         # A whole turn can go to any of them (one candidate each); splits to the shortlist.
-        whole = [scorer.whole(worker) for worker in (resident, *roomy) if worker is not None]
+        whole = [scorer.whole(worker) for worker in (resident, *screen) if worker is not None]
         # Colocating where the state lives is what any separation must beat.
         reference = whole[0] if resident is not None else min(whole, key=key)
         # Held twins: the same placements once the streams their prefill would stall end.
-        holds = [(w, scorer.hold(w)) for w in (resident, *roomy) if w is not None]
+        holds = [(w, scorer.hold(w)) for w in (resident, *screen) if w is not None]
         candidates = whole + [scorer.whole(w, held) for w, held in holds if held is not None]
         mover = None
         if (
@@ -194,7 +235,7 @@ class AdaptivePolicy:
             for destination in others:
                 if destination.kv_usage < p.migrate_kv_usage:
                     candidates.append(scorer.handoff(source, destination, "migrate"))
-        for prefill in prefill_shortlist(prefill_pool, p.shortlist, prefix, scorer):
+        for prefill in prefills:
             # Else the answer (the session) leaves only to get away from a slow prefill.
             if prefill is mover or (prefill is source and not scorer.slow_prefill(prefill)):
                 continue
@@ -217,7 +258,7 @@ class AdaptivePolicy:
         due = self._deadlines.due_ms(objective, residency is None, new_tokens)
         rejected = (
             p.on_infeasible == "reject"
-            and self._passing_ttft(best, view, due, turn.request_id) > limit
+            and self._passing_ttft(best, view, index, due, turn.request_id) > limit
         )
         # The placed prefill's slow steps expose the answers decoding beside it later on.
         self._stalls.place(
@@ -274,12 +315,17 @@ class AdaptivePolicy:
         return decision_of(best, predicted, reason, due)
 
     def _passing_ttft(
-        self, best: Candidate, view: ClusterView, due_ms: float, request_id: str
+        self,
+        best: Candidate,
+        view: ClusterView,
+        workers: dict[str, WorkerView],
+        due_ms: float,
+        request_id: str,
     ) -> float:
         """`best`'s predicted TTFT where its worker admits the earliest due first (priority
         scheduling; `due_ms` after now): the turn passes the placed work queued there that is
         due after it."""
-        worker = view.worker(best.workers[0])
+        worker = workers.get(best.workers[0])
         if worker is None or not worker.priority_scheduling:
             return best.ttft_ms
         due_s = view.now_s + due_ms / 1000.0

@@ -101,7 +101,7 @@ pace add.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from policies.adaptive import tuning
 from policies.adaptive.candidates import Candidate, PrefillTerms
@@ -123,9 +123,10 @@ class Scorer(TurnTerms):
     """Costs candidates for one turn against one view, from the terms they share
     (`TurnTerms`: each worker's, computed once). Without a ledger, what it would hold counts
     nothing; `max_seqs` 0: no sequence cap; `continuing`: the share of turns continuing a
-    session (`policies.adaptive.admission.Admission`)."""
+    session (`policies.adaptive.admission.Admission`); `refill`: the workers whose mean
+    prices an evicted context prefilled again (None: every decode-capable one)."""
 
-    __slots__ = ("_cache", "_done", "_holds", "_max_hold_ms", "_refill", "_shares")
+    __slots__ = ("_cache", "_done", "_holds", "_max_hold_ms", "_refill", "_refilled", "_shares")
 
     def __init__(
         self,
@@ -145,6 +146,9 @@ class Scorer(TurnTerms):
         done: StreamLedger | None = None,
         max_hold_s: float = 0.0,
         cache: CacheLedger | None = None,
+        index: Mapping[str, WorkerView] | None = None,
+        host_fresh_s: float = 0.0,
+        refill: Sequence[WorkerView] | None = None,
     ) -> None:
         super().__init__(
             turn,
@@ -159,8 +163,11 @@ class Scorer(TurnTerms):
             max_seqs=max_seqs,
             legs=legs,
             continuing=continuing,
+            index=index,
+            host_fresh_s=host_fresh_s,
         )
         self._cache = cache
+        self._refilled = refill
         self._refill: float | None = None
         self._shares: dict[str, float] = {}  # per worker, once per turn
         self._done = done
@@ -257,6 +264,11 @@ class Scorer(TurnTerms):
             eviction=self.eviction(fills),
         )
 
+    def refill_from(self, workers: Sequence[WorkerView]) -> None:
+        """Price an evicted context prefilled again on `workers` (before any candidate)."""
+        self._refilled = workers
+        self._refill = None
+
     def eviction(self, fills: tuple[Fill, ...]) -> float:
         """Expected misses of the KV `fills` puts on its workers: the live contexts it evicts
         there (`CacheLedger.live_share` of it), each prefilled again when its session returns,
@@ -269,7 +281,7 @@ class Scorer(TurnTerms):
         for wid, tokens in fills:
             share = self._shares.get(wid)
             if share is None:
-                worker = self._view.worker(wid)
+                worker = self._index.get(wid)
                 usage = worker.kv_usage if worker is not None else 0.0
                 share = cache.live_share(wid, usage, self._now_s, self._continuing)
                 self._shares[wid] = share
@@ -279,14 +291,15 @@ class Scorer(TurnTerms):
 
     def _refill_cost(self) -> float:
         """Expected misses per token of a context prefilled again: this turn's whole prompt
-        on each worker that can decode, on average."""
+        on each worker that can decode (of `refill`, where given), on average."""
         per_token = self._refill
         if per_token is None:
             prompt = self._prompt if self._prompt > 1 else 1
             objective = self._objective_ms
             total, count = 0.0, 0
             weight = 1.0 + tuning.WORK_WEIGHT  # its TTFT (its compute) and its GPU time
-            for worker in self._view.workers:
+            workers = self._refilled if self._refilled is not None else self._view.workers
+            for worker in workers:
                 if not can_serve(worker, DECODE_ROLES):
                     continue
                 compute, _, _, _, slow = self._local_prefill(worker, prompt, 0)

@@ -8,6 +8,7 @@ worker's terms are computed once per turn and shared by every candidate placing 
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Mapping
 
@@ -34,7 +35,9 @@ class TurnTerms:
     """The terms of one turn on the workers of one view, each worker's computed once.
 
     `links` indexes the view's links by (src, dst); `stalls` holds the workers' recent steps
-    past the ITL objective. `policies.adaptive.scoring.Scorer` builds it, with the defaults.
+    past the ITL objective; `index` the view's workers by id (None: built here);
+    `host_fresh_s`: how old the rate of the workers hosting slow prefills may be (0: exact,
+    `StallLedger.host_rate`). `policies.adaptive.scoring.Scorer` builds it, with the defaults.
     """
 
     __slots__ = (
@@ -49,7 +52,9 @@ class TurnTerms:
         "_default_bps",
         "_estimates",
         "_horizon_s",
+        "_host_fresh_s",
         "_host_rate",
+        "_index",
         "_itl_ms",
         "_kv_bytes",
         "_legs",
@@ -91,6 +96,8 @@ class TurnTerms:
         max_seqs: int,
         legs: LegLedger | None,
         continuing: float,
+        index: Mapping[str, WorkerView] | None = None,
+        host_fresh_s: float = 0.0,
     ) -> None:
         prompt = turn.prompt_tokens if turn.prompt_tokens > 0 else 0
         uncached = min(max(turn.uncached_tokens, 0), prompt)
@@ -106,6 +113,8 @@ class TurnTerms:
         )
         self._itl_ms = turn.objectives.itl_ms
         self._view = view
+        self._index = index if index is not None else {w.worker_id: w for w in view.workers}
+        self._host_fresh_s = host_fresh_s
         self._continuing = continuing
         # The three prefill-capable workers with the fewest streams (`_avoided`), once.
         self._calmest: list[tuple[int, str]] | None = None
@@ -255,7 +264,9 @@ class TurnTerms:
         rate = self.stall_rate(worker)
         if hosting:
             if self._host_rate is None:
-                self._host_rate = self._stalls.host_rate(self._now_s, self._request_id)
+                self._host_rate = self._stalls.host_rate(
+                    self._now_s, self._request_id, self._host_fresh_s
+                )
             hosts = self._host_rate
             rate = hosts if hosts > rate else rate
         if rate <= 0.0:
@@ -282,9 +293,11 @@ class TurnTerms:
             return False
         calmest = self._calmest
         if calmest is None:
-            hosts = sorted((self.streams(w), w.worker_id) for w in self._view.workers
-                           if can_serve(w, PREFILL_ROLES))  # fmt: skip
-            calmest = self._calmest = hosts[:3]
+            calmest = self._calmest = heapq.nsmallest(
+                3,
+                ((self.streams(w), w.worker_id) for w in self._view.workers
+                 if can_serve(w, PREFILL_ROLES)),
+            )  # fmt: skip
         others = [streams for streams, wid in calmest if wid != worker.worker_id]
         if len(others) < 2:
             return False

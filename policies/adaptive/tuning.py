@@ -59,3 +59,13 @@ MAX_TRACKED_REQUESTS = 65536
 STALE_AFTER_S = 60.0
 # Per worker, the placements `WorkLedger.settle` may find queued: past an engine's queue.
 MAX_RECENT = 1024
+
+# The decode-capable workers a turn's terms are computed on past its resident: the least
+# loaded this many, where the shortlists pick from (a fleet this size or smaller is scored
+# whole, as before).
+SCREENED_WORKERS = 8
+
+# On a fleet past `SCREENED_WORKERS`, how old the mean rate of the workers hosting slow
+# prefills (`StallLedger.host_rate`: a pass over all of them) may be, in s; it moves at the
+# stall window's pace (seconds).
+HOST_RATE_FRESH_S = 0.05

@@ -15,6 +15,7 @@ import pytest
 import router
 import router.http
 import router.turn.pipeline
+from policies import native as policies_native
 from router import native
 
 _MODULE = "pkg/hot.py"
@@ -138,6 +139,16 @@ def test_the_status_command_says_what_activation_found(capsys: pytest.CaptureFix
     from session_router_cli import main
 
     assert main(["native", "status"]) == 0
-    said = capsys.readouterr().out
+    router_line, policies_line = capsys.readouterr().out.splitlines()
     fresh = native._is_fresh(native.ROOT, native.OUT)
-    assert said == "native hot path: on\n" if fresh else said.startswith("native hot path: off")
+    assert (
+        router_line == "native hot path: on"
+        if fresh
+        else router_line.startswith("native hot path: off")
+    )
+    policies = policies_native.is_fresh()
+    assert (
+        policies_line == "native policies: on"
+        if policies
+        else policies_line.startswith("native policies: off")
+    )

@@ -16,6 +16,7 @@ crowding of a worker: the parts of `policies.adaptive.scoring` that keep state.
 
 from __future__ import annotations
 
+import heapq
 import math
 from typing import TypeVar
 
@@ -153,14 +154,21 @@ class StallLedger:
     placed per request works the same (`StreamLedger` counts answers with one).
 
     Keyed by request: placing a request again replaces its entry, so a decision repeated for
-    the same turn and view is the same decision; `rate` leaves the asking request out."""
+    the same turn and view is the same decision; `rate` leaves the asking request out.
 
-    __slots__ = ("_counts", "_entries", "window_s")
+    Every count decays at the same pace, so the order of the workers by count changes only
+    when one is added to: `busiest` reads the top of a heap kept in that order (log count +
+    as of / window: time drops out), never the whole fleet."""
+
+    __slots__ = ("_counts", "_entries", "_heap", "_hosts", "_scores", "window_s")
 
     def __init__(self, window_s: float) -> None:
         self.window_s = window_s
         self._counts: dict[str, tuple[float, float]] = {}  # worker -> (count, as of time)
         self._entries: dict[str, tuple[str, float, int]] = {}  # request -> (worker, at, steps)
+        self._scores: dict[str, float] = {}  # worker -> log count + as of / window
+        self._heap: list[tuple[float, str]] = []  # (-score, worker); stale ones skipped
+        self._hosts: tuple[float, float, int] | None = None  # `host_rate`'s (at, total, hosts)
 
     def place(self, request_id: str, worker: str | None, at_s: float, steps: int) -> None:
         """Record `request_id`'s prefill on `worker` (None or 0 steps: no slow step)."""
@@ -185,10 +193,36 @@ class StallLedger:
         mine = (own[2], own[1]) if own is not None and own[0] == worker else None
         return decayed_rate(*entry, now_s, self.window_s, mine)
 
-    def host_rate(self, now_s: float, exclude: str = "") -> float:
+    def busiest(self, count: int) -> list[str]:
+        """The `count` workers with the highest counts (any time: they decay alike), highest
+        first, ties to the lower worker id; none with no count left."""
+        heap, scores = self._heap, self._scores
+        found: list[tuple[float, str]] = []
+        while heap and len(found) < count:
+            top = heapq.heappop(heap)
+            if scores.get(top[1]) == -top[0] and (not found or found[-1] != top):
+                found.append(top)  # current (a worker pushed twice at one score comes twice)
+        for top in found:
+            heapq.heappush(heap, top)
+        return [worker for negative, worker in found if negative < math.inf]
+
+    def host_rate(self, now_s: float, exclude: str = "", fresh_s: float = 0.0) -> float:
         """The mean rate of the workers that host slow prefills lately (at least one slow
-        step in the window, the asking request's own left out)."""
+        step in the window, the asking request's own left out). `fresh_s` > 0: the hosts
+        found at most that long ago, their counts decayed to now (a pass over every worker
+        that ever hosted one is due only then; the asking request's own taken off the total)."""
         own = self._entries.get(exclude)
+        known = self._hosts
+        if fresh_s > 0.0 and known is not None and 0.0 <= now_s - known[0] < fresh_s:
+            at, total, hosts = known
+            if not hosts:
+                return 0.0
+            if own is not None:
+                total -= own[2] * math.exp((own[1] - at) / self.window_s)
+            total *= math.exp((at - now_s) / self.window_s)
+            return total / hosts / self.window_s if total > 0.0 else 0.0
+        if fresh_s > 0.0:
+            own = None  # the cache counts every request's
         total, hosts = 0.0, 0
         for worker, (count, as_of) in self._counts.items():
             if own is not None and own[0] == worker:
@@ -198,13 +232,25 @@ class StallLedger:
             if count >= 1.0:
                 total += count
                 hosts += 1
+        if fresh_s > 0.0:
+            self._hosts = (now_s, total, hosts)
+            return self.host_rate(now_s, exclude, fresh_s)
         return total / hosts / self.window_s if hosts else 0.0
 
     def _add(self, worker: str, at_s: float, steps: int) -> None:
         count, as_of = decayed_add(*self._counts.get(worker, (0.0, at_s)), at_s, steps,
                                     self.window_s)  # fmt: skip
         if worker in self._counts or len(self._counts) < tuning.MAX_TRACKED_WORKERS:
-            self._counts[worker] = (count if count > 0.0 else 0.0, as_of)
+            count = count if count > 0.0 else 0.0
+            self._counts[worker] = (count, as_of)
+            score = math.log(count) + as_of / self.window_s if count > 0.0 else -math.inf
+            scores, heap = self._scores, self._heap
+            if scores.get(worker) != score:
+                scores[worker] = score
+                heapq.heappush(heap, (-score, worker))
+                if len(heap) > 2 * len(scores) + 64:  # mostly stale: rebuilt, amortised
+                    heap[:] = [(-known, name) for name, known in scores.items()]
+                    heapq.heapify(heap)
 
 
 def decayed_rate(

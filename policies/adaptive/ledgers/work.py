@@ -4,8 +4,9 @@
 
 from __future__ import annotations
 
+import math
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from policies.adaptive import tuning
 from policies.adaptive.ledgers.legs import decayed_add, decayed_rate
@@ -31,11 +32,22 @@ class WorkLedger:
     was placed there since. `utilisation`: the share of a worker's time the work placed there
     lately takes (decaying with time constant `window_s`), backlog or not."""
 
-    __slots__ = ("_busy", "_current", "_entries", "_held", "_rates", "_recent", "window_s")
+    __slots__ = (
+        "_busy",
+        "_current",
+        "_entries",
+        "_held",
+        "_pending",
+        "_rates",
+        "_recent",
+        "window_s",
+    )
 
     def __init__(self, window_s: float = 1.0) -> None:
         self.window_s = window_s
         self._busy: dict[str, float] = {}  # worker -> busy until (s)
+        # The workers busy past the latest `settle_pending` (a scrape can bound no other).
+        self._pending: dict[str, None] = {}
         # worker -> (work placed, decaying with time constant window_s, in s; as of time)
         self._rates: dict[str, tuple[float, float]] = {}
         # request -> (worker, busy until before it, busy until after it, placed at, work s)
@@ -74,6 +86,7 @@ class WorkLedger:
         after = (before if before > at_s else at_s) + work_s
         if worker in self._busy or len(self._busy) < tuning.MAX_TRACKED_WORKERS:
             self._busy[worker] = after
+            self._pending[worker] = None
             self._rate_add(worker, at_s, work_s)
             due = at_s if due_s is None else due_s
             self._enter(request_id, (worker, before, after, at_s, work_s, weight, due))
@@ -171,6 +184,21 @@ class WorkLedger:
             bound = (bound if bound > at_s else at_s) + work_s
         if busy > bound:
             self._busy[worker] = bound
+
+    def settle_pending(self, workers: Mapping[str, WorkerView], now_s: float) -> None:
+        """`settle` each worker still busy at `now_s` by its view in `workers` (the rest are
+        busy until a time a scrape, never later than now, cannot bring forward)."""
+        busy, pending = self._busy, self._pending
+        for worker in list(pending):
+            until = busy.get(worker)
+            if until is None or until <= now_s:
+                del pending[worker]
+                continue
+            view = workers.get(worker)
+            if view is not None:
+                scraped_s = now_s - view.scraped_age_s
+                if math.isfinite(scraped_s):
+                    self.settle(worker, scraped_s, view.waiting)
 
     def queued(
         self, worker: str, scraped_s: float, waiting: int, exclude: str = ""

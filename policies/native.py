@@ -1,0 +1,103 @@
+"""The adaptive policy's hot path compiled to C with mypyc: which modules, and loading them
+only while they match their sources.
+
+`session-router native build` (`router.native`, which builds the router's hot path beside it)
+compiles `MODULES` into `.native-policies/` beside the checkout. The packages holding them call
+`activate` from their `__init__`, which puts the compiled modules ahead of the sources only
+while the manifest written with them names the same Python and the same source hashes: an
+edited source is never shadowed by a stale build, and without a build (no C compiler) the
+policy runs its sources, the same only slower. SESSION_ROUTER_NATIVE=0 runs the sources all the
+same. This module only reads the build; it imports nothing outside `policies`.
+
+A module defining a msgspec Struct cannot be compiled (mypyc drops its class options), nor one
+whose classes an interpreted one subclasses (the tests check `WorkLedger` against a
+subclass scanning every placement: it stays uncompiled).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import sysconfig
+from pathlib import Path
+
+MODULES = (
+    "policies/adaptive/admission.py",
+    "policies/adaptive/candidates.py",
+    "policies/adaptive/decision.py",
+    "policies/adaptive/policy.py",
+    "policies/adaptive/scoring.py",
+    "policies/adaptive/shortlists.py",
+    "policies/adaptive/terms.py",
+    "policies/adaptive/ledgers/cache.py",
+    "policies/adaptive/ledgers/legs.py",
+    "policies/adaptive/ledgers/streams.py",
+    "policies/costmodel/calibration.py",
+    "policies/costmodel/estimates.py",
+)
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / ".native-policies"
+MANIFEST = "manifest.json"
+LIBRARY = "lib"  # the folder of the shared library, beside the compiled packages
+LAYOUT = 2  # how a build is laid out in `out`; a build of another layout is stale
+GROUP = "policies_native"  # the shared library every compiled module links: top-level name
+DISABLE = "SESSION_ROUTER_NATIVE"
+
+active = False  # the compiled modules are on the path
+status = "off: not built"  # why (or where from)
+_fresh: dict[tuple[Path, Path, tuple[str, ...]], bool] = {}
+
+
+def fingerprint(root: Path, modules: tuple[str, ...] = MODULES) -> dict[str, object]:
+    """What a build is valid for: this Python, and each compiled module's source."""
+    sources = {m: hashlib.sha256((root / m).read_bytes()).hexdigest() for m in modules}
+    return {"python": sys.version, "ext": sysconfig.get_config_var("EXT_SUFFIX"),
+            "layout": LAYOUT, "sources": sources}  # fmt: skip
+
+
+def activate(
+    package_path: list[str], package: str, root: Path = ROOT, out: Path = OUT,
+    modules: tuple[str, ...] = MODULES,
+) -> bool:  # fmt: skip
+    """Put the compiled modules of `package` ahead of its sources on `package_path` (the
+    package's `__path__`), when the build in `out` is of `modules` as they are now and not
+    disabled."""
+    global active, status
+    if os.environ.get(DISABLE, "1") == "0":
+        status = f"off: {DISABLE}=0"
+        return False
+    fresh = _fresh.get((root, out, modules))
+    if fresh is None:
+        fresh = _fresh[(root, out, modules)] = is_fresh(root, out, modules)
+    compiled = out.joinpath(*package.split("."))
+    if not fresh or not compiled.is_dir():
+        return False
+    library = str(out / LIBRARY)
+    if library not in sys.path:
+        # the shared library alone in its folder: `out` itself on sys.path would make a
+        # fresh `import policies` a namespace package of only the compiled modules
+        sys.path.append(library)
+    if str(compiled) not in package_path:
+        package_path.insert(0, str(compiled))
+    active, status = True, f"on: {out}"
+    return True
+
+
+def is_fresh(root: Path = ROOT, out: Path = OUT, modules: tuple[str, ...] = MODULES) -> bool:
+    """Whether the build in `out` is of `modules` as they are now, on this Python."""
+    global status
+    try:
+        built = json.loads((out / MANIFEST).read_text())
+    except (OSError, ValueError):
+        status = "off: not built (make install builds it)"
+        return False
+    try:
+        current: dict[str, object] | None = fingerprint(root, modules)
+    except OSError:
+        current = None
+    if built != current:
+        status = "off: the build is older than the sources (make native rebuilds it)"
+        return False
+    return True
