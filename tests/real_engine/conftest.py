@@ -32,6 +32,10 @@ MODEL = ROOT / DEFAULT_CACHE / "tiny-llama-seed0"
 HOST = "127.0.0.1"
 ADMIN_TOKEN = "real-engine-suite"
 MAX_NUM_SEQS = 4
+# 1,024 blocks of 128 tokens (128 MB of the tiny model's KV) instead of the 1 GiB that
+# VLLM_CPU_KVCACHE_SPACE=1 gives: NIXL registers all of it at start, which is most of an
+# engine's start-up on a busy machine
+NUM_GPU_BLOCKS = 1024
 
 
 def _require_install() -> None:
@@ -45,7 +49,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
     """The URLs of three engines, each able to prefill for another or decode what another
     prefilled. SESSION_ROUTER_REAL_ENGINES (three URLs, comma-separated) names engines already
     running with this suite's options (`session-router up --engine vllm --mixed 3
-    --max-num-seqs 4`) instead."""
+    --max-num-seqs 4 --num-gpu-blocks 1024`) instead."""
     _require_install()
     given = os.environ.get("SESSION_ROUTER_REAL_ENGINES")
     if given:
@@ -58,6 +62,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
     spec = FleetSpec(
         model=str(MODEL), roles=("mixed", "mixed", "mixed"), base_port=ports,
         side_channel_base=ports + 3, scheduling_policy="priority", max_num_seqs=MAX_NUM_SEQS,
+        num_gpu_blocks=NUM_GPU_BLOCKS,
     )  # fmt: skip
     engines = VllmFleet(spec, VENV, tmp_path_factory.mktemp("engines"))
     started = time.monotonic()
