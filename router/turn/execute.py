@@ -15,7 +15,7 @@ from router.errors import RouterError
 from router.http import Response, UpstreamConnectError, UpstreamError, UpstreamTimeout
 from router.obs.events import StageClock
 from router.state.shared import Reservation, SharedState
-from router.turn.legs import LegRunner, TurnContext, WorkerUnreachable, failure_kind
+from router.turn.legs import KvPullFailed, LegRunner, TurnContext, WorkerUnreachable, failure_kind
 from router.turn.relay import answer_usage
 
 log = logging.getLogger("router.turn.execute")
@@ -119,9 +119,9 @@ class Executor:
         try:
             response = await self._legs.relay(
                 ctx, decode, leg_body.encode_body(decode_body), drop_first, transfer.arrived,
-                brings_kv=params is not None,
+                brings_kv=params is not None, pull_may_fail=params is not None,
             )  # fmt: skip
-        except WorkerUnreachable:
+        except (WorkerUnreachable, KvPullFailed):
             transfer.release()
             return await self._decode_fallback(ctx, decode, drop_first)
         self._finish_transfer(ctx, transfer)

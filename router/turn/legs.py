@@ -56,6 +56,15 @@ class WorkerUnreachable(Exception):
         self.worker_id = worker_id
 
 
+class KvPullFailed(Exception):
+    """A decode leg's engine failed it (a 5xx) before any byte reached the client: on vLLM,
+    the KV it was to pull could not be loaded (expired, or the source is gone)."""
+
+    def __init__(self, worker_id: str, status: int) -> None:
+        super().__init__(f"worker {worker_id} failed the KV pull with {status}")
+        self.worker_id = worker_id
+
+
 @dataclass
 class TurnContext:
     """Everything one turn carries from admission to commit."""
@@ -226,10 +235,13 @@ class LegRunner:
         drop_first: bool = False,
         on_first_token: Callable[[], None] | None = None,
         brings_kv: bool = False,
+        pull_may_fail: bool = False,
     ) -> Response | None:
         """The leg's answer to the client; a stream calls `on_first_token` at its first
         content frame (a whole reply is all there when this returns). `brings_kv`: a decode
-        leg pulling its prompt's KV, which queues no prefill on the worker."""
+        leg pulling its prompt's KV, which queues no prefill on the worker; with
+        `pull_may_fail`, its 5xx before any byte reached the client raises `KvPullFailed`
+        (the caller serves the turn another way) instead of reaching the client."""
         with self.inflight(worker_id) as inflight:
             if brings_kv:
                 inflight.begin()
@@ -243,6 +255,10 @@ class LegRunner:
                 raise self.unanswered(ctx, worker_id, exc) from exc
             try:
                 if upstream.status != 200:
+                    if pull_may_fail and upstream.status >= 500 and not ctx.writer.started:
+                        await upstream.read()
+                        self.on_upstream_error(worker_id, f"http_{upstream.status}")
+                        raise KvPullFailed(worker_id, upstream.status)
                     return await self._forward_error(ctx, worker_id, upstream)
                 if ctx.fields.stream:
                     first = b""

@@ -169,31 +169,51 @@ class ResponseFramer:
         }
         self._model = model
         self._head = _json_encode(head)[:-1]  # without the closing brace
+        # Chunks as vLLM 0.32 streams them: a chat chunk's choice carries `token_ids` (and
+        # `stop_reason` only at the end), a completion chunk's also `stop_reason` and
+        # `prompt_token_ids` throughout.
         if kind == "chat":
             self._before_text = self._head + b',"choices":[{"index":0,"delta":{"content":'
             self._after_text = b'},"logprobs":null,"finish_reason":'
+            self._open_end = b',"token_ids":null}]}\n\n'
+            self._final_end = b',"stop_reason":null,"token_ids":null}]}\n\n'
         else:
             self._before_text = self._head + b',"choices":[{"index":0,"text":'
             self._after_text = b',"logprobs":null,"finish_reason":'
+            self._open_end = self._final_end = (
+                b',"stop_reason":null,"prompt_token_ids":null,"token_ids":null}]}\n\n'
+            )
 
     def role_chunk(self) -> bytes:
         return (
             b"data: " + self._head + b',"choices":[{"index":0,"delta":{"role":"assistant",'
-            b'"content":""},"logprobs":null,"finish_reason":null}]}\n\n'
+            b'"content":""},"logprobs":null,"finish_reason":null}],'
+            b'"prompt_token_ids":null,"prompt_text":null}\n\n'
         )
 
     def text_chunk(self, text: str, finish_reason: str | None) -> bytes:
-        reason = b"null" if finish_reason is None else b'"' + finish_reason.encode() + b'"'
-        return (
-            b"data: " + self._before_text + _json_encode(text) + self._after_text + reason
-            + b',"stop_reason":null}]}\n\n'
-        )  # fmt: skip
+        if finish_reason is None:
+            reason, end = b"null", self._open_end
+        else:
+            reason, end = b'"' + finish_reason.encode() + b'"', self._final_end
+        return b"data: " + self._before_text + _json_encode(text) + self._after_text + reason + end
 
     def usage_chunk(self, usage: dict[str, Any], extra: dict[str, Any] | None = None) -> bytes:
-        tail = b"" if not extra else b"," + _json_encode(extra)[1:-1]
+        """The last chunk: vLLM 0.32 streams a shorter usage than it answers whole (a chat's
+        prompt details hold `cached_tokens` and `created_cache_tokens`, a completion's only
+        `cached_tokens`), then its system fingerprint."""
+        details = usage.get("prompt_tokens_details") or {}
+        streamed_details: dict[str, Any] = {"cached_tokens": details.get("cached_tokens", 0)}
+        if self.kind == "chat":
+            streamed_details["created_cache_tokens"] = details.get("created_cache_tokens") or 0
+        streamed = {key: usage[key] for key in ("prompt_tokens", "total_tokens",
+                                                "completion_tokens")}  # fmt: skip
+        streamed["prompt_tokens_details"] = streamed_details
+        kept = {key: value for key, value in (extra or {}).items() if value is not None}
+        tail = b"" if not kept else b"," + _json_encode(kept)[1:-1]
         return (
-            b"data: " + self._head + b',"choices":[],"usage":' + _json_encode(usage) + tail
-            + b"}\n\n"
+            b"data: " + self._head + b',"choices":[],"usage":' + _json_encode(streamed) + tail
+            + b',"system_fingerprint":' + _json_encode(SYSTEM_FINGERPRINT) + b"}\n\n"
         )  # fmt: skip
 
     def full_response(
@@ -205,6 +225,9 @@ class ResponseFramer:
         else:
             choice["text"] = text
         choice.update(logprobs=None, finish_reason=finish_reason, stop_reason=None)
+        if self.kind == "chat":  # vLLM 0.32 counts a chat's created cache tokens (0 here)
+            details = {**usage["prompt_tokens_details"], "created_cache_tokens": 0}
+            usage = {**usage, "prompt_tokens_details": details}
         body: dict[str, Any] = {
             "id": self.response_id,
             "object": "chat.completion" if self.kind == "chat" else "text_completion",
@@ -232,3 +255,4 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -
 
 
 DONE = b"data: [DONE]\n\n"
+SYSTEM_FINGERPRINT = "vllm-0.32.0-simulated"

@@ -176,8 +176,13 @@ def engine_counters(url: str) -> dict[str, float]:
     return out
 
 
+# Prompts differ between runs too: engines named by SESSION_ROUTER_REAL_ENGINES keep what
+# earlier runs left in their prefix caches.
+RUN = random.SystemRandom().randrange(10**9)
+
+
 def words(seed: int, count: int) -> str:
-    """A prompt of `count` random words, different for every seed (no prefix shared by
-    accident with another test's prompts in the engines' caches)."""
-    rng = random.Random(seed)
+    """A prompt of `count` random words, different for every seed and every run (no prefix
+    shared by accident with another prompt in the engines' caches)."""
+    rng = random.Random(f"{RUN}:{seed}")
     return " ".join(f"w{rng.randrange(10**6)}" for _ in range(count))

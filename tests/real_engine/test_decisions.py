@@ -44,7 +44,7 @@ def _turns(client: openai.OpenAI, seed: int, turns: int) -> list[Any]:
     history: list[dict[str, str]] = []
     answers = []
     for turn in range(turns):
-        history.append({"role": "user", "content": words(seed * 100 + turn, 300)})
+        history.append({"role": "user", "content": words(seed * 100 + turn, 120)})
         answer = client.chat.completions.create(
             model=str(MODEL), messages=history, max_tokens=8, temperature=0.0,
             extra_body={"ignore_eos": True},
@@ -123,23 +123,29 @@ def test_turns_due_sooner_are_admitted_first_on_priority_engines(
         async with aiohttp.ClientSession(router.url, timeout=timeout) as client:
 
             async def turn(session: str, prompt_words: int, max_tokens: int) -> float:
+                """When the turn's first token came; the answer is read to its end (a
+                client that went away would cancel it and free its slot)."""
                 body = {"model": str(MODEL), "prompt": words(len(session) * prompt_words,
                         prompt_words), "max_tokens": max_tokens, "ignore_eos": True,
                         "stream": True}  # fmt: skip
+                first: float | None = None
                 async with client.post(
                     "/v1/completions", json=body, headers={"X-Session-ID": session}
                 ) as answer:
                     assert answer.status == 200
                     async for line in answer.content:
-                        if line.startswith(b"data: {"):
-                            return time.monotonic()
-                raise AssertionError("no token")
+                        if first is None and line.startswith(b"data: {"):
+                            first = time.monotonic()
+                assert first is not None, "no token"
+                return first
 
             # every running slot busy with long answers, then two turns queue behind them:
             # the later one is due sooner (a short prompt's TTFT objective is the shorter)
-            busy = [asyncio.create_task(turn(f"busy-{i}", 20, 600)) for i in range(MAX_NUM_SEQS)]
+            # (of different lengths, so that their slots come free one at a time)
+            busy = [asyncio.create_task(turn(f"busy-{i}", 20, 500 + 150 * i))
+                     for i in range(MAX_NUM_SEQS)]  # fmt: skip
             await asyncio.sleep(1.0)
-            late = asyncio.create_task(turn("due-later", 2500, 4))
+            late = asyncio.create_task(turn("due-later", 600, 4))
             await asyncio.sleep(0.05)
             soon = asyncio.create_task(turn("due-sooner", 10, 4))
             firsts = {"due-later": await late, "due-sooner": await soon}

@@ -42,7 +42,7 @@ def test_policy_serves_a_multi_turn_load_to_the_end(
         lengths = []
         for turn in range(TURNS):
             history.append(
-                {"role": "user", "content": words(1000 * index + turn, 60 + 200 * (index % 3))}
+                {"role": "user", "content": words(1000 * index + turn, 30 + 100 * (index % 3))}
             )
             body = {"model": str(MODEL), "messages": history, "max_tokens": ANSWER_TOKENS,
                     "ignore_eos": True, "stream": True,
