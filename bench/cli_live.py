@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from bench.results.summary import Objectives
 
 if TYPE_CHECKING:
+    from bench.stack.up import RealEngines
     from bench.traces.model import Trace
     from policies.types import Role
 
@@ -186,9 +187,14 @@ async def _compare_main(args: argparse.Namespace, stop: asyncio.Event) -> int:
     from bench.stack.layout import ClusterSpec
 
     try:
+        real = _real_engines(args) if args.engine == "vllm" else None
+        cluster = ClusterSpec.parse(args.cluster)
+        if real is not None and args.cluster == DEFAULT_COMPARE_CLUSTER:
+            cluster = ClusterSpec(3, "cpu", "tiny-llama")
         spec = CompareSpec(
             policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
-            cluster=ClusterSpec.parse(args.cluster),
+            cluster=cluster,
+            real=real,
             prefill_workers=args.prefill_workers,
             rate_scale=args.rate_scale,
             limit=args.limit,
@@ -217,6 +223,26 @@ def _compare_command(args: argparse.Namespace) -> int:
 
 
 # -- up and demo ------------------------------------------------------------------------------
+DEFAULT_COMPARE_CLUSTER = "4xh200-sxm/llama-3.1-8b"
+
+
+def _real_engines(args: argparse.Namespace) -> RealEngines:
+    """Real vLLM engines from `--model` (a folder; default the tiny model) and `--vllm-venv`,
+    both checked before anything starts."""
+    from bench.stack.up import RealEngines
+    from bench.vllm.install import DEFAULT_CACHE, DEFAULT_VENV
+
+    model_dir = Path(args.model or DEFAULT_CACHE / "tiny-llama-seed0").resolve()
+    if not (model_dir / "config.json").exists():
+        raise ValueError(f"no model at {model_dir} (`make real-engines` builds one)")
+    venv = Path(args.vllm_venv or DEFAULT_VENV)
+    if not (venv / "bin" / "vllm").exists():
+        raise ValueError(f"no vLLM in {venv}: run `make real-engines`")
+    return RealEngines(model_dir=str(model_dir), venv=str(venv), work_dir=args.engine_dir,
+                       num_gpu_blocks=args.num_gpu_blocks,
+                       max_num_seqs=args.max_num_seqs)  # fmt: skip
+
+
 def _up_roles(args: argparse.Namespace, policy: str) -> list[Role]:
     """`--prefill/--decode/--mixed` as given, else the bench's layout for the policy."""
     from bench.compare import roles_for
@@ -238,8 +264,7 @@ def _up_command(args: argparse.Namespace) -> int:
     import uvloop
 
     from bench.stack.layout import ClusterSpec
-    from bench.stack.up import RealEngines, StackSpec, policy_params, run_up
-    from bench.vllm.install import DEFAULT_CACHE, DEFAULT_VENV
+    from bench.stack.up import StackSpec, policy_params, run_up
     from policies import available_policies, parse_param_assignments
 
     policy = args.policy or ("adaptive" if "adaptive" in available_policies() else "colocate")
@@ -247,15 +272,7 @@ def _up_command(args: argparse.Namespace) -> int:
         roles = _up_roles(args, policy)
         real = None
         if args.engine == "vllm":
-            model_dir = Path(args.model or DEFAULT_CACHE / "tiny-llama-seed0").resolve()
-            if not (model_dir / "config.json").exists():
-                raise ValueError(f"no model at {model_dir} (`make real-engines` builds one)")
-            venv = Path(args.vllm_venv or DEFAULT_VENV)
-            if not (venv / "bin" / "vllm").exists():
-                raise ValueError(f"no vLLM in {venv}: run `make real-engines`")
-            real = RealEngines(model_dir=str(model_dir), venv=str(venv),
-                               work_dir=args.engine_dir, num_gpu_blocks=args.num_gpu_blocks,
-                               max_num_seqs=args.max_num_seqs)  # fmt: skip
+            real = _real_engines(args)
             cluster = ClusterSpec(len(roles), args.gpu or "cpu", "tiny-llama", args.tp)
         else:
             cluster = ClusterSpec(len(roles), args.gpu or "h200-sxm",
@@ -324,7 +341,13 @@ def register_bench(bench: Any) -> None:
     add("trace", help="trace file (any supported format)")
     add("--policies", default="colocate,disaggregate,threshold,adaptive",
         help="comma-separated policy names")  # fmt: skip
-    add("--cluster", default="4xh200-sxm/llama-3.1-8b", metavar="NxGPU/MODEL")
+    add(
+        "--cluster",
+        default=DEFAULT_COMPARE_CLUSTER,
+        metavar="NxGPU/MODEL",
+        help="simulated cluster (default %(default)s; with --engine vllm: 3xcpu/tiny-llama)",
+    )
+    _add_engine_options(compare)
     add("--prefill-workers", type=int, default=None, metavar="K",
         help="prefill workers for split policies (default: a quarter, at least 1)")  # fmt: skip
     add("--rate-scale", type=float, default=1.0,
@@ -342,6 +365,25 @@ def register_bench(bench: Any) -> None:
     compare.set_defaults(run=_compare_command)
 
 
+def _add_engine_options(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--engine", choices=["sim", "vllm"], default="sim",
+        help="simulated workers or real vLLM engines (default: %(default)s)")  # fmt: skip
+    add("--model", default=None,
+        help="simulated: a model preset (default llama-3.1-8b); real: the model folder "
+             "(default: the tiny model `make real-engines` builds)")  # fmt: skip
+    add("--vllm-venv", default=None, help="real engines' virtualenv (default: .venv-vllm)")
+    add("--engine-dir", default="bench-out/engines",
+        help="real engines' caches and logs (default: %(default)s)")  # fmt: skip
+    add(
+        "--num-gpu-blocks",
+        type=int,
+        default=None,
+        help="real engines: KV blocks per engine (vLLM's --num-gpu-blocks-override)",
+    )
+    add("--max-num-seqs", type=int, default=None, help="real engines: running sequences cap")
+
+
 def register_top(subparsers: Any) -> None:
     up = subparsers.add_parser(
         "up", help="run workers (simulated, or real vLLM engines) and a router until Ctrl-C",
@@ -350,8 +392,7 @@ def register_top(subparsers: Any) -> None:
                     "(--engine vllm, after `make real-engines`).",
     )  # fmt: skip
     add = up.add_argument
-    add("--engine", choices=["sim", "vllm"], default="sim",
-        help="simulated workers or real vLLM engines (default: %(default)s)")  # fmt: skip
+    _add_engine_options(up)
     add("--prefill", type=int, default=None, metavar="N", help="prefill workers")
     add("--decode", type=int, default=None, metavar="N", help="decode workers")
     add("--mixed", type=int, default=None, metavar="N", help="mixed (whole-turn) workers")
@@ -373,22 +414,9 @@ def register_top(subparsers: Any) -> None:
     add("--gpu", default=None,
         help="hardware preset for the simulator and the policy's priors "
              "(default: h200-sxm simulated, cpu real)")  # fmt: skip
-    add("--model", default=None,
-        help="simulated: a model preset (default llama-3.1-8b); real: the model folder "
-             "(default: the tiny model `make real-engines` builds)")  # fmt: skip
     add("--tp", type=int, default=1)
     add("--scheduling-policy", choices=["fcfs", "priority"], default="priority",
         help="the workers' scheduling policy (default: %(default)s)")  # fmt: skip
-    add("--vllm-venv", default=None, help="real engines' virtualenv (default: .venv-vllm)")
-    add("--engine-dir", default="bench-out/engines",
-        help="real engines' caches and logs (default: %(default)s)")  # fmt: skip
-    add(
-        "--num-gpu-blocks",
-        type=int,
-        default=None,
-        help="real engines: KV blocks per engine (vLLM's --num-gpu-blocks-override)",
-    )
-    add("--max-num-seqs", type=int, default=None, help="real engines: running sequences cap")
     add("--first-token", choices=["decode", "prefill"], default="decode")
     add("--admin-token", default=None, help="default: a random token, printed")
     add("--events", default=None, metavar="FILE", help="the router's stage events file")

@@ -48,7 +48,7 @@ from bench.results.summary import (
 )
 from bench.simulate import GOODPUT_TARGET
 from bench.stack.layout import ClusterSpec, worker_roles
-from bench.stack.up import LocalStack, StackSpec, policy_params
+from bench.stack.up import LocalStack, RealEngines, StackSpec, policy_params
 from bench.traces.model import Trace
 from policies.types import Role
 from router.obs.events import StageEvents
@@ -72,6 +72,7 @@ class CompareSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
     find_max_goodput: bool = False
     goodput_tolerance: float = 0.1
+    real: RealEngines | None = None  # real vLLM engines instead of simulated workers
 
     def __post_init__(self) -> None:
         if not self.policies or len(set(self.policies)) != len(self.policies):
@@ -105,6 +106,7 @@ def plan(spec: CompareSpec, out_dir: Path) -> list[StackSpec]:
                 cluster=spec.cluster, roles=tuple(roles), policy=policy,
                 policy_params=tuple(sorted(params.items())), first_token=spec.first_token,
                 events=str(logs / "events.jsonl"), seed=spec.seed, log_dir=str(logs),
+                engine="sim" if spec.real is None else "vllm", real=spec.real,
             )
         )  # fmt: skip
     for key in spec.policy_params:
