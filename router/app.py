@@ -268,7 +268,7 @@ class Router:
     async def _ready(self) -> Response:
         """200 while turns can be served: some worker is healthy. Redis down is no reason to
         take a replica out of rotation (every replica would go at once, while each serves
-        from its local view): `degraded` says so, as does the `router_degraded` gauge."""
+        from its local view): `degraded` says so, as does the `session_router_degraded` gauge."""
         assert self.state is not None
         # while degraded the recovery task probes Redis; a probe here would only be slow
         redis_ok = not self.state.degraded and await self.state.ping()

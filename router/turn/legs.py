@@ -352,7 +352,7 @@ def _is_openai_error(body: bytes) -> bool:
 
 
 def failure_kind(exc: UpstreamError, otherwise: str) -> str:
-    """The `router_upstream_errors_total` kind of a failed leg."""
+    """The `session_router_upstream_errors_total` kind of a failed leg."""
     return f"timeout_{exc.stage}" if isinstance(exc, UpstreamTimeout) else otherwise
 
 
@@ -381,9 +381,9 @@ def _both(first: Callable[[], None], then: Callable[[], None] | None) -> Callabl
 
 
 class _Inflight:
-    """Counts a request on a worker, locally (router_inflight reads it) and in the fleet's
-    shared in-flight ledger; and, once it begins answering, among the worker's requests
-    started since its last scrape (`WorkerState.started_since_scrape`)."""
+    """Counts a request on a worker, locally (session_router_inflight_requests reads it) and in
+    the fleet's shared in-flight ledger; and, once it begins answering, among the worker's
+    requests started since its last scrape (`WorkerState.started_since_scrape`)."""
 
     __slots__ = ("_began", "_state", "_worker", "_worker_id")
 
