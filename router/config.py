@@ -116,6 +116,8 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     worker_cert_file: str | None = None
     worker_key_file: str | None = None
     worker_tls_insecure: bool = False
+    # OpenTelemetry spans per turn and leg (the `otel` extra; OTEL_* variables configure it)
+    otel: bool = False
 
     def __post_init__(self) -> None:
         if not self.workers:
@@ -186,7 +188,7 @@ _SCALARS: Mapping[str, type] = {
     "keepalive_requests": int, "redis_timeout_s": float, "redis_connect_timeout_s": float,
     "allow_policy_import": bool, "worker_ca_file": str, "worker_cert_file": str,
     "worker_key_file": str, "worker_tls_insecure": bool,
-    "session_header": str,
+    "session_header": str, "otel": bool,
 }  # fmt: skip
 
 
@@ -405,6 +407,13 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
         "--session-header",
         metavar="NAME",
         help="request header naming a turn's session (default X-Session-Id)",
+    )
+    add(
+        "--otel",
+        action="store_true",
+        default=None,
+        help="OpenTelemetry spans per turn and leg, exported as the OTEL_* variables say "
+        "(needs the `otel` extra; default off)",
     )
 
 
