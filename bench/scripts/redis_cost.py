@@ -1,0 +1,307 @@
+"""Redis cost per turn: commands and server CPU, with one router replica and with several.
+
+Starts a Redis server of its own (TCP, nothing persisted), simulated workers, and each
+`--replicas` count of routers sharing that Redis, replays the first `--limit` turns of a trace
+(its sessions dealt round-robin to the replicas) and reads Redis's INFO commandstats and INFO
+cpu before and after. An idle window first (routers up, no turns) measures what the routers
+cost Redis without turns (load scrapes, heartbeats), which is taken out of the per-turn
+figures. From the CPU per turn comes the rate one Redis primary carries: its main thread is one
+core.
+
+    python -m bench.scripts.redis_cost --trace ../shared/traces/mooncake_synthetic_trace.jsonl \\
+        --limit 300 --replicas 1 4 --out bench-out/redis-cost
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+import redis.asyncio as aioredis
+
+from bench.replay.run import replay
+from bench.results.summary import Objectives
+from bench.stack.layout import ClusterSpec, worker_roles
+from bench.stack.up import free_port_block
+from bench.traces.model import Trace, load_trace
+from router.state.embedded_redis import redis_server_binary
+from sim.engine.presets import deployment_from_names
+
+_CLI = (sys.executable, "-m", "session_router_cli")
+
+
+class Window(msgspec.Struct, frozen=True):
+    """Redis's counters over one window: calls and microseconds per command, CPU seconds."""
+
+    seconds: float
+    calls: dict[str, int]
+    usec: dict[str, int]
+    cpu_s: float  # used_cpu_user + used_cpu_sys of the whole server
+    cpu_main_s: float  # the main thread's (used_cpu_*_main_thread), where reported
+
+
+class Run(msgspec.Struct, frozen=True):
+    replicas: int
+    turns_ok: int
+    turns_sent: int
+    idle: Window
+    load: Window
+
+    def per_turn(self) -> dict[str, Any]:
+        """Each command's calls and microseconds per turn, and the CPU per turn, with the idle
+        rate taken out (never below zero)."""
+        scale = self.load.seconds / self.idle.seconds if self.idle.seconds > 0 else 0.0
+        turns = max(1, self.turns_ok)
+        commands = {}
+        for name in sorted(set(self.load.calls) | set(self.idle.calls)):
+            calls = self.load.calls.get(name, 0) - scale * self.idle.calls.get(name, 0)
+            usec = self.load.usec.get(name, 0) - scale * self.idle.usec.get(name, 0)
+            commands[name] = {"calls": max(0.0, calls) / turns, "usec": max(0.0, usec) / turns}
+        cpu = max(0.0, self.load.cpu_s - scale * self.idle.cpu_s) / turns
+        cpu_main = max(0.0, self.load.cpu_main_s - scale * self.idle.cpu_main_s) / turns
+        calls_total = sum(c["calls"] for c in commands.values())
+        usec_total = sum(c["usec"] for c in commands.values())
+        return {
+            "replicas": self.replicas,
+            "turns": self.turns_ok,
+            "commands_per_turn": calls_total,
+            "command_usec_per_turn": usec_total,
+            "cpu_ms_per_turn": cpu * 1e3,
+            "main_thread_cpu_ms_per_turn": cpu_main * 1e3,
+            "idle_commands_per_s": sum(self.idle.calls.values()) / max(self.idle.seconds, 1e-9),
+            "idle_cpu_ratio": self.idle.cpu_s / max(self.idle.seconds, 1e-9),
+            # one core: the main thread runs every command
+            "turns_per_s_one_primary": 1.0 / cpu_main if cpu_main > 0 else None,
+            "by_command": commands,
+        }
+
+
+async def read_window_start(client: aioredis.Redis) -> tuple[float, dict[str, Any]]:
+    await client.config_resetstat()
+    return time.monotonic(), await client.info("cpu")
+
+
+async def read_window_end(
+    client: aioredis.Redis, started: float, cpu_before: dict[str, Any]
+) -> Window:
+    stats = await client.info("commandstats")
+    cpu = await client.info("cpu")
+    calls: dict[str, int] = {}
+    usec: dict[str, int] = {}
+    for key, value in stats.items():
+        name = key.removeprefix("cmdstat_")
+        calls[name] = int(value["calls"])
+        usec[name] = int(value["usec"])
+
+    def delta(*names: str) -> float:
+        return sum(float(cpu.get(n, 0.0)) - float(cpu_before.get(n, 0.0)) for n in names)
+
+    return Window(
+        seconds=time.monotonic() - started,
+        calls=calls,
+        usec=usec,
+        cpu_s=delta("used_cpu_user", "used_cpu_sys"),
+        cpu_main_s=delta("used_cpu_user_main_thread", "used_cpu_sys_main_thread")
+        or delta("used_cpu_user", "used_cpu_sys"),
+    )
+
+
+def deal(trace: Trace, parts: int) -> list[Trace]:
+    """The trace's sessions dealt round-robin into `parts` traces (arrivals kept)."""
+    return [
+        msgspec.structs.replace(trace, conversations=trace.conversations[i::parts])
+        for i in range(parts)
+    ]
+
+
+class Children:
+    """Child processes started here, all stopped on exit."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.processes: list[asyncio.subprocess.Process] = []
+
+    async def start(self, name: str, args: Sequence[str]) -> asyncio.subprocess.Process:
+        log = (self.log_dir / f"{name}.log").open("ab")
+        process = await asyncio.create_subprocess_exec(
+            *args, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        log.close()
+        self.processes.append(process)
+        return process
+
+    async def stop(self) -> None:
+        for process in reversed(self.processes):
+            if process.returncode is None:
+                process.terminate()
+        for process in self.processes:
+            try:
+                await asyncio.wait_for(process.wait(), 15)
+            except TimeoutError:
+                process.kill()
+                await process.wait()
+        self.processes.clear()
+
+
+async def wait_ready(http: aiohttp.ClientSession, urls: Sequence[str], within_s: float) -> None:
+    deadline = time.monotonic() + within_s
+    for url in urls:
+        while True:
+            try:
+                async with http.get(url) as response:
+                    if response.status == 200:
+                        break
+            except aiohttp.ClientError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{url} not ready within {within_s} s")
+            await asyncio.sleep(0.1)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def measure(args: argparse.Namespace, replicas: int, trace: Trace, log_dir: Path) -> Run:
+    children = Children(log_dir)
+    cluster = ClusterSpec.parse(args.cluster)
+    roles = worker_roles(args.policy, cluster.workers)
+    kv_bytes = deployment_from_names(cluster.gpu, cluster.model, cluster.tp).kv_bytes_per_token
+    redis_port = free_port()
+    base = free_port_block("127.0.0.1", cluster.workers)
+    worker_urls = [f"http://127.0.0.1:{base + i}" for i in range(cluster.workers)]
+    ports = [free_port() for _ in range(replicas)]
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
+    client = aioredis.Redis(host="127.0.0.1", port=redis_port)
+    try:
+        with tempfile.TemporaryDirectory(prefix="redis-cost-") as data:
+            await children.start("redis", [
+                args.redis_server, "--port", str(redis_port), "--bind", "127.0.0.1",
+                "--save", "", "--appendonly", "no", "--dir", data,
+            ])  # fmt: skip
+            await children.start("workers", [
+                *_CLI, "sim-cluster", "--base-port", str(base), "--workers",
+                str(cluster.workers), "--gpu", cluster.gpu, "--model", cluster.model,
+                "--tp", str(cluster.tp), "--seed", "0",
+            ])  # fmt: skip
+            prefix = f"cost-{uuid.uuid4().hex[:8]}"
+            for index, port in enumerate(ports):
+                serve = [*_CLI, "serve", "--port", str(port),
+                         "--redis", f"redis://127.0.0.1:{redis_port}/0",
+                         "--redis-prefix", prefix, "--policy", args.policy,
+                         "--kv-bytes-per-token", str(kv_bytes)]  # fmt: skip
+                for role, url in zip(roles, worker_urls, strict=True):
+                    serve += [f"--{role}", url]
+                await children.start(f"router-{index}", serve)
+            async with aiohttp.ClientSession() as http:
+                await wait_ready(http, [f"{u}/health" for u in worker_urls], 60)
+                await wait_ready(http, [f"{u}/ready" for u in urls], 60)
+            await asyncio.sleep(2.0)  # first scrapes and model lists settle
+            started, cpu = await read_window_start(client)
+            await asyncio.sleep(args.idle_s)
+            idle = await read_window_end(client, started, cpu)
+            objectives = Objectives()  # the bench's defaults: Redis's cost does not depend on them
+            started, cpu = await read_window_start(client)
+            parts = deal(trace, replicas)
+            results = await asyncio.gather(*(
+                replay(part, url, objectives=objectives, policy_label=args.policy)
+                for part, url in zip(parts, urls, strict=True)
+            ))  # fmt: skip
+            await asyncio.sleep(1.0)  # the last commits are written after the answers
+            load = await read_window_end(client, started, cpu)
+    finally:
+        await client.aclose()
+        await children.stop()
+    flat = [r for part in results for r in part]
+    ok = sum(1 for r in flat if r.status == "completed")
+    return Run(replicas=replicas, turns_ok=ok, turns_sent=len(flat), idle=idle, load=load)
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| replicas | turns | commands/turn | command us/turn | Redis CPU ms/turn "
+        "| idle commands/s | turns/s one primary |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in rows:
+        rate = row["turns_per_s_one_primary"]
+        lines.append(
+            f"| {row['replicas']} | {row['turns']} | {row['commands_per_turn']:.1f} "
+            f"| {row['command_usec_per_turn']:.0f} | {row['main_thread_cpu_ms_per_turn']:.3f} "
+            f"| {row['idle_commands_per_s']:.0f} | {'-' if rate is None else f'{rate:,.0f}'} |"
+        )
+    top = max(rows, key=lambda r: r["commands_per_turn"])
+    lines += ["", f"commands per turn ({top['replicas']} replicas):", ""]
+    for name, cost in sorted(top["by_command"].items(), key=lambda kv: -kv[1]["calls"]):
+        if cost["calls"] >= 0.01:
+            lines.append(f"- `{name}`: {cost['calls']:.2f} calls, {cost['usec']:.1f} us")
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--trace", required=True, help="trace file (any format bench reads)")
+    parser.add_argument("--limit", type=int, default=300, help="turns replayed (default 300)")
+    parser.add_argument("--replicas", type=int, nargs="+", default=[1, 4],
+                        help="router replica counts to measure (default 1 4)")  # fmt: skip
+    parser.add_argument("--cluster", default="4xh200-sxm/llama-3.1-8b",
+                        help="simulated workers (default 4xh200-sxm/llama-3.1-8b)")  # fmt: skip
+    parser.add_argument("--policy", default="adaptive", help="placement policy (default adaptive)")
+    parser.add_argument("--rate-scale", type=float, default=1.0,
+                        help="arrivals sped up by this factor (default 1)")  # fmt: skip
+    parser.add_argument("--idle-s", type=float, default=10.0,
+                        help="idle window first, per replica count (default 10)")  # fmt: skip
+    parser.add_argument("--redis-server", default=shutil.which("redis-server") or "",
+                        help="the server to measure (default redis-server on PATH, else the "
+                        "embedded Valkey)")  # fmt: skip
+    parser.add_argument("--out", default="bench-out/redis-cost", help="output directory")
+    args = parser.parse_args(argv)
+    if not args.redis_server:
+        args.redis_server = redis_server_binary()
+    return args
+
+
+async def main_async(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
+    trace = load_trace(args.trace).slice(args.limit)
+    if args.rate_scale != 1.0:
+        trace = trace.scaled(args.rate_scale)
+    rows = []
+    for replicas in args.replicas:
+        run = await measure(args, replicas, trace, out)
+        rows.append(run.per_turn())
+        (out / f"run-{replicas}.json").write_bytes(msgspec.json.encode(run))
+        print(f"{replicas} replica(s): {run.turns_ok}/{run.turns_sent} turns ok", flush=True)
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = asyncio.run(main_async(args, out))
+    version = os.path.basename(args.redis_server)
+    report = table(rows)
+    (out / "summary.json").write_text(json.dumps({"server": version, "rows": rows}, indent=2))
+    (out / "report.md").write_text(report + "\n")
+    print(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
