@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,7 @@ class Run(msgspec.Struct, frozen=True):
     replicas: int
     turns_ok: int
     turns_sent: int
+    statuses: dict[str, int]
     idle: Window
     load: Window
 
@@ -230,7 +232,9 @@ async def measure(args: argparse.Namespace, replicas: int, trace: Trace, log_dir
         await children.stop()
     flat = [r for part in results for r in part]
     ok = sum(1 for r in flat if r.status == "completed")
-    return Run(replicas=replicas, turns_ok=ok, turns_sent=len(flat), idle=idle, load=load)
+    statuses = Counter(str(r.status) for r in flat)
+    return Run(replicas=replicas, turns_ok=ok, turns_sent=len(flat), statuses=dict(statuses),
+               idle=idle, load=load)  # fmt: skip
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -247,7 +251,12 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"| {row['idle_commands_per_s']:.0f} | {'-' if rate is None else f'{rate:,.0f}'} |"
         )
     top = max(rows, key=lambda r: r["commands_per_turn"])
-    lines += ["", f"commands per turn ({top['replicas']} replicas):", ""]
+    lines += [
+        "",
+        f"commands per turn ({top['replicas']} replicas; those run inside Lua "
+        "scripts are counted as well as the EVALSHA):",
+        "",
+    ]
     for name, cost in sorted(top["by_command"].items(), key=lambda kv: -kv[1]["calls"]):
         if cost["calls"] >= 0.01:
             lines.append(f"- `{name}`: {cost['calls']:.2f} calls, {cost['usec']:.1f} us")
@@ -286,7 +295,8 @@ async def main_async(args: argparse.Namespace, out: Path) -> list[dict[str, Any]
         run = await measure(args, replicas, trace, out)
         rows.append(run.per_turn())
         (out / f"run-{replicas}.json").write_bytes(msgspec.json.encode(run))
-        print(f"{replicas} replica(s): {run.turns_ok}/{run.turns_sent} turns ok", flush=True)
+        print(f"{replicas} replica(s): {run.turns_ok}/{run.turns_sent} turns completed "
+              f"{run.statuses}", flush=True)  # fmt: skip
     return rows
 
 
