@@ -134,16 +134,19 @@ def test_a_changed_configuration_rolls_the_pods() -> None:
 def test_static_workers_configuration_loads_in_the_router(tmp_path: Path) -> None:
     toml = router_toml(render(STATIC))
     assert toml["host"] == "0.0.0.0" and toml["port"] == 8000
-    assert "discovery" not in toml
+    assert "discovery" not in toml and "otel" not in toml
     path = tmp_path / "router.toml"
-    path.write_text(one(render(STATIC), "ConfigMap")["data"]["router.toml"])
+    config = {**STATIC["config"], "kv_bytes_per_token": 65536}
+    values = {**STATIC, "otel": {"enabled": True}, "config": config}
+    path.write_text(one(render(values), "ConfigMap")["data"]["router.toml"])
     args = build_parser().parse_args(["serve", "--config", str(path)])
-    config = load_config(args, environ={"SESSION_ROUTER_REDIS": "redis://redis.infra:6379/0"})
-    assert [(w.url, w.role) for w in config.workers] == [
+    loaded = load_config(args, environ={"SESSION_ROUTER_REDIS": "redis://redis.infra:6379/0"})
+    assert [(w.url, w.role) for w in loaded.workers] == [
         ("http://prefill-0.vllm:8000", "prefill"), ("http://decode-0.vllm:8000", "decode")
     ]  # fmt: skip
-    assert config.policy.name == "adaptive" and config.host == "0.0.0.0"
-    assert config.redis == "redis://redis.infra:6379/0"
+    assert loaded.policy.name == "adaptive" and loaded.host == "0.0.0.0"
+    assert loaded.redis == "redis://redis.infra:6379/0"
+    assert loaded.otel is True and loaded.kv_bytes_per_token == 65536  # YAML numbers: floats
     # no discovery, so no RBAC
     assert not [m for m in render(STATIC) if m["kind"] in ("Role", "RoleBinding")]
 
