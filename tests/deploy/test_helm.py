@@ -122,6 +122,18 @@ def test_the_deployment_runs_replicas_with_probes_on_health_and_ready() -> None:
     assert env_of(container)["SESSION_ROUTER_REDIS"] == "redis://redis.infra:6379/0"
 
 
+def test_the_router_listens_where_the_probes_and_service_look() -> None:
+    manifests = render({**REDIS_URL, "containerPort": 9000, "service": {"port": 80}})
+    container = router_container(manifests)
+    # the image sets SESSION_ROUTER_PORT=8000, which would outrank the TOML file's port
+    assert env_of(container)["SESSION_ROUTER_PORT"] == "9000"
+    assert env_of(container)["SESSION_ROUTER_HOST"] == "0.0.0.0"
+    assert router_toml(manifests)["port"] == 9000
+    assert container["ports"] == [{"name": "http", "containerPort": 9000, "protocol": "TCP"}]
+    (port,) = one(manifests, "Service")["spec"]["ports"]
+    assert (port["port"], port["targetPort"]) == (80, "http")
+
+
 def test_a_changed_configuration_rolls_the_pods() -> None:
     def checksum(values: dict[str, Any]) -> str:
         pod = one(render(values), "Deployment")["spec"]["template"]
