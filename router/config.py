@@ -249,7 +249,8 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
     add(
         "--redis",
         help="embedded | redis://... | rediss://... | unix://... | "
-        "redis+sentinel://host:port,.../service (default embedded)",
+        "redis+sentinel://host:port,.../service | redis+cluster://host:port,... "
+        "(default embedded)",
     )
     add("--redis-prefix", help="key prefix in Redis (default sr)")
     add(

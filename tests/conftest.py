@@ -43,6 +43,7 @@ E2E_PATHS = (
     "tests/sim/test_sim_worker_processes.py",
     "tests/experiments/test_live_acceptance.py",
     "tests/test_install_extras.py",
+    "tests/router/state/test_cluster.py",
 )
 SLOW_PATHS = (
     "tests/policies/test_properties.py",

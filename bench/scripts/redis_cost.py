@@ -36,6 +36,7 @@ import redis.asyncio as aioredis
 from bench.replay.run import replay
 from bench.results.summary import Objectives
 from bench.stack.layout import ClusterSpec, worker_roles
+from bench.stack.redis_cluster import LocalCluster
 from bench.stack.up import free_port_block
 from bench.traces.model import Trace, load_trace
 from router.state.embedded_redis import redis_server_binary
@@ -54,39 +55,59 @@ class Window(msgspec.Struct, frozen=True):
     cpu_main_s: float  # the main thread's (used_cpu_*_main_thread), where reported
 
 
+def merged(windows: Sequence[Window]) -> Window:
+    """Several servers' windows (a cluster's primaries) as one: counts and CPU added."""
+    calls: Counter[str] = Counter()
+    usec: Counter[str] = Counter()
+    for window in windows:
+        calls.update(window.calls)
+        usec.update(window.usec)
+    return Window(
+        seconds=max(w.seconds for w in windows), calls=dict(calls), usec=dict(usec),
+        cpu_s=sum(w.cpu_s for w in windows), cpu_main_s=sum(w.cpu_main_s for w in windows),
+    )  # fmt: skip
+
+
+def marginal(load: Window, idle: Window, turns: int) -> float:
+    """Main-thread CPU seconds per turn over the idle rate (never below zero)."""
+    scale = load.seconds / idle.seconds if idle.seconds > 0 else 0.0
+    return max(0.0, load.cpu_main_s - scale * idle.cpu_main_s) / max(1, turns)
+
+
 class Run(msgspec.Struct, frozen=True):
     replicas: int
     turns_ok: int
     turns_sent: int
     statuses: dict[str, int]
-    idle: Window
-    load: Window
+    idle: list[Window]  # one per server: a standalone Redis, or each cluster primary
+    load: list[Window]
 
     def per_turn(self) -> dict[str, Any]:
         """Each command's calls and microseconds per turn, and the CPU per turn, with the idle
-        rate taken out (never below zero)."""
-        scale = self.load.seconds / self.idle.seconds if self.idle.seconds > 0 else 0.0
+        rate taken out (never below zero); per server, and where the first one saturates."""
+        idle, load = merged(self.idle), merged(self.load)
+        scale = load.seconds / idle.seconds if idle.seconds > 0 else 0.0
         turns = max(1, self.turns_ok)
         commands = {}
-        for name in sorted(set(self.load.calls) | set(self.idle.calls)):
-            calls = self.load.calls.get(name, 0) - scale * self.idle.calls.get(name, 0)
-            usec = self.load.usec.get(name, 0) - scale * self.idle.usec.get(name, 0)
+        for name in sorted(set(load.calls) | set(idle.calls)):
+            calls = load.calls.get(name, 0) - scale * idle.calls.get(name, 0)
+            usec = load.usec.get(name, 0) - scale * idle.usec.get(name, 0)
             commands[name] = {"calls": max(0.0, calls) / turns, "usec": max(0.0, usec) / turns}
-        cpu = max(0.0, self.load.cpu_s - scale * self.idle.cpu_s) / turns
-        cpu_main = max(0.0, self.load.cpu_main_s - scale * self.idle.cpu_main_s) / turns
-        calls_total = sum(c["calls"] for c in commands.values())
-        usec_total = sum(c["usec"] for c in commands.values())
+        pairs = zip(self.load, self.idle, strict=True)
+        per_server = [marginal(busy, quiet, turns) for busy, quiet in pairs]
+        busiest = max(per_server)
         return {
             "replicas": self.replicas,
+            "servers": len(self.load),
             "turns": self.turns_ok,
-            "commands_per_turn": calls_total,
-            "command_usec_per_turn": usec_total,
-            "cpu_ms_per_turn": cpu * 1e3,
-            "main_thread_cpu_ms_per_turn": cpu_main * 1e3,
-            "idle_commands_per_s": sum(self.idle.calls.values()) / max(self.idle.seconds, 1e-9),
-            "idle_cpu_ratio": self.idle.cpu_s / max(self.idle.seconds, 1e-9),
-            # one core: the main thread runs every command
-            "turns_per_s_one_primary": 1.0 / cpu_main if cpu_main > 0 else None,
+            "commands_per_turn": sum(c["calls"] for c in commands.values()),
+            "command_usec_per_turn": sum(c["usec"] for c in commands.values()),
+            "main_thread_cpu_ms_per_turn": marginal(load, idle, turns) * 1e3,
+            "server_cpu_ms_per_turn": [cpu * 1e3 for cpu in per_server],
+            "idle_commands_per_s": sum(idle.calls.values()) / max(idle.seconds, 1e-9),
+            "idle_cpu_ratio": idle.cpu_main_s / max(idle.seconds, 1e-9),
+            # one core per server: its main thread runs every command; the busiest saturates
+            "turns_per_s_at_saturation": 1.0 / busiest if busiest > 0 else None,
             "by_command": commands,
         }
 
@@ -185,18 +206,25 @@ async def measure(args: argparse.Namespace, replicas: int, trace: Trace, log_dir
     cluster = ClusterSpec.parse(args.cluster)
     roles = worker_roles(args.policy, cluster.workers)
     kv_bytes = deployment_from_names(cluster.gpu, cluster.model, cluster.tp).kv_bytes_per_token
-    redis_port = free_port()
+    redis_ports = [free_port() for _ in range(max(1, args.cluster_primaries))]
     base = free_port_block("127.0.0.1", cluster.workers)
     worker_urls = [f"http://127.0.0.1:{base + i}" for i in range(cluster.workers)]
     ports = [free_port() for _ in range(replicas)]
     urls = [f"http://127.0.0.1:{port}" for port in ports]
-    client = aioredis.Redis(host="127.0.0.1", port=redis_port)
+    servers = [aioredis.Redis(host="127.0.0.1", port=port) for port in redis_ports]
+    local_cluster: LocalCluster | None = None
     try:
         with tempfile.TemporaryDirectory(prefix="redis-cost-") as data:
-            await children.start("redis", [
-                args.redis_server, "--port", str(redis_port), "--bind", "127.0.0.1",
-                "--save", "", "--appendonly", "no", "--dir", data,
-            ])  # fmt: skip
+            if args.cluster_primaries:
+                local_cluster = LocalCluster(args.redis_server, redis_ports, Path(data))
+                await asyncio.to_thread(local_cluster.start)
+                redis_url = local_cluster.url
+            else:
+                await children.start("redis", [
+                    args.redis_server, "--port", str(redis_ports[0]), "--bind", "127.0.0.1",
+                    "--save", "", "--appendonly", "no", "--dir", data,
+                ])  # fmt: skip
+                redis_url = f"redis://127.0.0.1:{redis_ports[0]}/0"
             await children.start("workers", [
                 *_CLI, "sim-cluster", "--base-port", str(base), "--workers",
                 str(cluster.workers), "--gpu", cluster.gpu, "--model", cluster.model,
@@ -204,8 +232,7 @@ async def measure(args: argparse.Namespace, replicas: int, trace: Trace, log_dir
             ])  # fmt: skip
             prefix = f"cost-{uuid.uuid4().hex[:8]}"
             for index, port in enumerate(ports):
-                serve = [*_CLI, "serve", "--port", str(port),
-                         "--redis", f"redis://127.0.0.1:{redis_port}/0",
+                serve = [*_CLI, "serve", "--port", str(port), "--redis", redis_url,
                          "--redis-prefix", prefix, "--policy", args.policy,
                          "--kv-bytes-per-token", str(kv_bytes)]  # fmt: skip
                 for role, url in zip(roles, worker_urls, strict=True):
@@ -215,21 +242,24 @@ async def measure(args: argparse.Namespace, replicas: int, trace: Trace, log_dir
                 await wait_ready(http, [f"{u}/health" for u in worker_urls], 60)
                 await wait_ready(http, [f"{u}/ready" for u in urls], 60)
             await asyncio.sleep(2.0)  # first scrapes and model lists settle
-            started, cpu = await read_window_start(client)
+            marks = [await read_window_start(server) for server in servers]
             await asyncio.sleep(args.idle_s)
-            idle = await read_window_end(client, started, cpu)
+            idle = [await read_window_end(s, *m) for s, m in zip(servers, marks, strict=True)]
             objectives = Objectives()  # the bench's defaults: Redis's cost does not depend on them
-            started, cpu = await read_window_start(client)
+            marks = [await read_window_start(server) for server in servers]
             parts = deal(trace, replicas)
             results = await asyncio.gather(*(
                 replay(part, url, objectives=objectives, policy_label=args.policy)
                 for part, url in zip(parts, urls, strict=True)
             ))  # fmt: skip
             await asyncio.sleep(1.0)  # the last commits are written after the answers
-            load = await read_window_end(client, started, cpu)
+            load = [await read_window_end(s, *m) for s, m in zip(servers, marks, strict=True)]
     finally:
-        await client.aclose()
+        for server in servers:
+            await server.aclose()
         await children.stop()
+        if local_cluster is not None:
+            await asyncio.to_thread(local_cluster.stop)
     flat = [r for part in results for r in part]
     ok = sum(1 for r in flat if r.status == "completed")
     statuses = Counter(str(r.status) for r in flat)
@@ -239,15 +269,17 @@ async def measure(args: argparse.Namespace, replicas: int, trace: Trace, log_dir
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| replicas | turns | commands/turn | command us/turn | Redis CPU ms/turn "
-        "| idle commands/s | turns/s one primary |",
+        "| replicas | servers | turns | commands/turn | Redis CPU ms/turn (per server) "
+        "| idle commands/s | turns/s at saturation |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in rows:
-        rate = row["turns_per_s_one_primary"]
+        rate = row["turns_per_s_at_saturation"]
+        servers = " + ".join(f"{cpu:.3f}" for cpu in row["server_cpu_ms_per_turn"])
         lines.append(
-            f"| {row['replicas']} | {row['turns']} | {row['commands_per_turn']:.1f} "
-            f"| {row['command_usec_per_turn']:.0f} | {row['main_thread_cpu_ms_per_turn']:.3f} "
+            f"| {row['replicas']} | {row['servers']} | {row['turns']} "
+            f"| {row['commands_per_turn']:.1f} | {row['main_thread_cpu_ms_per_turn']:.3f}"
+            f"{f' ({servers})' if row['servers'] > 1 else ''} "
             f"| {row['idle_commands_per_s']:.0f} | {'-' if rate is None else f'{rate:,.0f}'} |"
         )
     top = max(rows, key=lambda r: r["commands_per_turn"])
@@ -279,8 +311,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--redis-server", default=shutil.which("redis-server") or "",
                         help="the server to measure (default redis-server on PATH, else the "
                         "embedded Valkey)")  # fmt: skip
+    parser.add_argument("--cluster-primaries", type=int, default=0,
+                        help="a local Redis Cluster of this many primaries instead of one "
+                        "Redis (default 0: one Redis)")  # fmt: skip
     parser.add_argument("--out", default="bench-out/redis-cost", help="output directory")
     args = parser.parse_args(argv)
+    if args.cluster_primaries < 0:
+        parser.error("--cluster-primaries must be >= 0")
     if not args.redis_server:
         args.redis_server = redis_server_binary()
     return args
