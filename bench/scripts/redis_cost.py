@@ -36,7 +36,7 @@ import redis.asyncio as aioredis
 from bench.replay.run import replay
 from bench.results.summary import Objectives
 from bench.stack.layout import ClusterSpec, worker_roles
-from bench.stack.redis_cluster import LocalCluster
+from bench.stack.redis_cluster import LocalCluster, free_ports
 from bench.stack.up import free_port_block
 from bench.traces.model import Trace, load_trace
 from router.state.embedded_redis import redis_server_binary
@@ -206,7 +206,7 @@ async def measure(args: argparse.Namespace, replicas: int, trace: Trace, log_dir
     cluster = ClusterSpec.parse(args.cluster)
     roles = worker_roles(args.policy, cluster.workers)
     kv_bytes = deployment_from_names(cluster.gpu, cluster.model, cluster.tp).kv_bytes_per_token
-    redis_ports = [free_port() for _ in range(max(1, args.cluster_primaries))]
+    redis_ports = free_ports(max(1, args.cluster_primaries))
     base = free_port_block("127.0.0.1", cluster.workers)
     worker_urls = [f"http://127.0.0.1:{base + i}" for i in range(cluster.workers)]
     ports = [free_port() for _ in range(replicas)]

@@ -2,11 +2,13 @@
 
 Each node is a `redis-server --cluster-enabled yes` on 127.0.0.1, persisting nothing; the hash
 slots are split in equal ranges and the nodes meet, then every node must report
-`cluster_state:ok` within the deadline.
+`cluster_state:ok` within the deadline. A node's cluster bus listens 10,000 ports above its
+own, so `free_ports` picks ports with that one free too.
 """
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -19,6 +21,29 @@ from redis.exceptions import BusyLoadingError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 SLOTS = 16384
+BUS_OFFSET = 10000  # a node's cluster bus port is its own port + this
+MAX_PORT = 65535 - BUS_OFFSET
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct ports free now whose cluster bus port is free too."""
+    found: list[int] = []
+    while len(found) < count:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if port <= MAX_PORT and port not in found and _bindable(port + BUS_OFFSET):
+            found.append(port)
+    return found
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 class LocalCluster:
@@ -27,6 +52,8 @@ class LocalCluster:
     def __init__(self, binary: str, ports: list[int], directory: Path, ready_s: float = 20.0):
         if not ports:
             raise ValueError("a cluster needs at least one node")
+        if max(ports) > MAX_PORT:
+            raise ValueError(f"cluster ports must be at most {MAX_PORT} (the bus is +{BUS_OFFSET})")
         self.binary = binary
         self.ports = ports
         self.directory = directory

@@ -12,7 +12,7 @@ import pytest
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
-from bench.stack.redis_cluster import LocalCluster
+from bench.stack.redis_cluster import LocalCluster, free_ports
 from router.state.embedded_redis import redis_server_binary
 from router.state.keys import SESSION_BUCKETS, Keys
 from router.state.redis_url import is_cluster
@@ -24,7 +24,7 @@ from tests.router.state.test_shared import eventually, running, worker
 @pytest.fixture(scope="module")
 def cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """Three primaries, slots split in thirds; a redis+cluster:// URL naming two of them."""
-    ports = [free_port() for _ in range(3)]
+    ports = free_ports(3)
     with LocalCluster(redis_server_binary(), ports, tmp_path_factory.mktemp("cluster")):
         yield f"redis+cluster://127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}"
 
