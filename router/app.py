@@ -24,6 +24,7 @@ from router.fleet.workers import EjectionConfig, WorkerPool, WorkerState
 from router.http import Request, Response, StreamWriter
 from router.obs.events import EventLog, StageClock
 from router.obs.metrics import RouterMetrics
+from router.obs.tracing import Tracing
 from router.state.embedded_redis import EmbeddedRedis
 from router.state.health import describe_error
 from router.state.shared import SharedState, StateConfig, WorkerRecord
@@ -61,6 +62,8 @@ class Router:
         )
         self.events = EventLog(path=config.events)
         self.clock = StageClock()
+        # --otel: spans per turn and leg (the `otel` extra; OTEL_* variables configure it)
+        self.tracing = Tracing.from_environment() if config.otel else None
         self._embedded: EmbeddedRedis | None = None
         self.state: SharedState | None = None
         self.scraper: Scraper | None = None
@@ -112,6 +115,7 @@ class Router:
             config, self.pool, self.state, self.policy, self.metrics, self.events, executor,
             self.clock, self._mark_failed,
         )  # fmt: skip
+        self.pipeline.tracing = self.tracing
         self.api = Api(config, self.pool, legs, self.state)
         self.admin = Admin(config.admin_token, self.pool, self.state, self.events, self.policy,
                            allow_policy_import=config.allow_policy_import,
@@ -121,6 +125,8 @@ class Router:
         pipeline: TurnPipeline | None = getattr(self, "pipeline", None)  # set by start()
         if pipeline is not None:
             pipeline.close()
+        if self.tracing is not None:
+            self.tracing.shutdown()  # after close(): the last turns' spans are made
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -305,7 +311,7 @@ class Router:
     async def _ready(self) -> Response:
         """200 while turns can be served: some worker is healthy. Redis down is no reason to
         take a replica out of rotation (every replica would go at once, while each serves
-        from its local view): `degraded` says so, as does the `router_degraded` gauge."""
+        from its local view): `degraded` says so, as does the `session_router_degraded` gauge."""
         assert self.state is not None
         # while degraded the recovery task probes Redis; a probe here would only be slow
         redis_ok = not self.state.degraded and await self.state.ping()

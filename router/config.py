@@ -162,6 +162,8 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # a worker that left the fleet is forgotten this long after its last request ended
     # (until then it shows, draining, in /admin/workers and in the policy's view)
     departure_grace_s: float = 10.0
+    # OpenTelemetry spans per turn and leg (the `otel` extra; OTEL_* variables configure it)
+    otel: bool = False
 
     def __post_init__(self) -> None:
         if not self.workers and self.discovery == "static":
@@ -246,7 +248,7 @@ _SCALARS: Mapping[str, type] = {
     "discovery_port": int, "discovery_scheme": str, "discovery_role": str,
     "discovery_engine": str, "discovery_namespace": str, "discovery_selector": str,
     "discovery_api_url": str, "discovery_token_file": str, "discovery_ca_file": str,
-    "departure_grace_s": float,
+    "departure_grace_s": float, "otel": bool,
 }  # fmt: skip
 
 
@@ -307,7 +309,8 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
     add(
         "--redis",
         help="embedded | redis://... | rediss://... | unix://... | "
-        "redis+sentinel://host:port,.../service (default embedded)",
+        "redis+sentinel://host:port,.../service | redis+cluster://host:port,... "
+        "(default embedded)",
     )
     add("--redis-prefix", help="key prefix in Redis (default sr)")
     add(
@@ -465,6 +468,13 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
         "--session-header",
         metavar="NAME",
         help="request header naming a turn's session (default X-Session-Id)",
+    )
+    add(
+        "--otel",
+        action="store_true",
+        default=None,
+        help="OpenTelemetry spans per turn and leg, exported as the OTEL_* variables say "
+        "(needs the `otel` extra; default off)",
     )
     _add_discovery_options(add)
 

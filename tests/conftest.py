@@ -44,6 +44,7 @@ E2E_PATHS = (
     "tests/sim/worker/test_vllm_conformance.py",
     "tests/experiments/test_live_acceptance.py",
     "tests/test_install_extras.py",
+    "tests/router/state/test_cluster.py",
 )
 # real vLLM engines (`make test-real`, after `make real-engines`): not in `make test`
 REAL_ENGINE_PATHS = ("tests/real_engine/",)

@@ -1,10 +1,15 @@
-"""The router's own Prometheus metrics (seconds and bytes), served on its /metrics.
+"""The router's own Prometheus metrics, served on its /metrics.
+
+Every name is under `session_router_` and follows Prometheus's naming conventions: base units
+(`_seconds`, `_bytes`), `_total` on counters, `_ratio` on 0..1 values and ratios, a plural
+noun for counts (`_requests`, `_tokens`). The older `router_*` names are exported as well, for
+one more release (`router.obs.aliases`).
 
 Every method here may run on a request's path. Those that run on every turn update plain
 numbers (`router.obs.cells`), exported when /metrics is scraped; the rarer ones use
 prometheus_client children created once and then found in a dict.
 
-`router_estimate_error_ratio{term}` is a histogram, not a gauge: a gauge would show only the
+`session_router_estimate_error_ratio{term}` is a histogram, not a gauge: a gauge would show only the
 last turn's error, while calibrating the policies needs the distribution (bias is the median's
 distance from 1, spread its width). Each observation is realised / predicted for one term of
 I > H + dQ + dC, or for the TTFT estimate: 1 is exact, 2 means twice what was predicted, and a
@@ -30,6 +35,7 @@ from prometheus_client import (
 
 from policies.types import Action, Prediction
 from router import native
+from router.obs.aliases import DeprecatedNames
 from router.obs.cells import CellsCollector, CounterCells, GaugeCells, HistogramCells
 from router.obs.events import EventOutcome
 from router.version import version
@@ -67,100 +73,118 @@ class RouterMetrics:
         reg = self.registry
         # Label values known up front are bound now, so they render as 0 before first use.
         self.requests_total = CounterCells(
-            "router_requests",
+            "session_router_requests",
             "Turns finished, by action and outcome.",
             ["action", "outcome"],
             known=[(a, o) for a in get_args(Action) for o in get_args(EventOutcome)],
         )
         self.decisions_total = CounterCells(
-            "router_decisions", "Placement decisions, by policy and action.", ["policy", "action"]
+            "session_router_decisions",
+            "Placement decisions, by policy and action.",
+            ["policy", "action"],
         )
         self.decision_seconds = HistogramCells(
-            "router_decision_seconds", "Time in policy.decide.", DECISION_BUCKETS
+            "session_router_decision_seconds", "Time in policy.decide.", DECISION_BUCKETS
         )
         self.redis_roundtrip_seconds = Histogram(
-            "router_redis_roundtrip_seconds",
+            "session_router_redis_roundtrip_seconds",
             "Redis round trips, by kind of operation.",
             ["kind"],
             buckets=REDIS_BUCKETS,
             registry=reg,
         )
         self.ttft_seconds = HistogramCells(
-            "router_ttft_seconds", "Admission to the first content chunk relayed.", TTFT_BUCKETS
+            "session_router_ttft_seconds",
+            "Admission to the first content chunk relayed.",
+            TTFT_BUCKETS,
         )
         self.handoff_seconds = HistogramCells(
-            "router_handoff_seconds",
+            "session_router_handoff_seconds",
             "Prefill end to decode start of a handed-off turn.",
             HANDOFF_BUCKETS,
         )
         self.hold_seconds = HistogramCells(
-            "router_hold_seconds",
+            "session_router_hold_seconds",
             "How long turns were held in the router before going out, as decided.",
             HANDOFF_BUCKETS,
         )
         self.transfer_bytes_total = CounterCells(
-            "router_transfer_bytes", "KV bytes moved between workers."
+            "session_router_transfer_bytes", "KV bytes moved between workers."
         )
         self.inflight = GaugeCells(
-            "router_inflight", "Turns this router has in flight, by worker.", ["worker"]
+            "session_router_inflight_requests",
+            "Turns this router has in flight, by worker.",
+            ["worker"],
         )
         self.rejected_total = Counter(
-            "router_rejected_total", "Rejected turns, by reason.", ["reason"], registry=reg
+            "session_router_rejected_requests_total",
+            "Rejected turns, by reason.",
+            ["reason"],
+            registry=reg,
         )
         self.recomputed_tokens_total = CounterCells(
-            "router_recomputed_tokens", "Context tokens prefilled again."
+            "session_router_recomputed_tokens", "Context tokens prefilled again."
         )
         self.degraded = Gauge(
-            "router_degraded",
+            "session_router_degraded",
             "1 while shared state is unreachable and the router runs on its local view.",
             registry=reg,
         )
         self.retries_total = Counter(
-            "router_retries_total", "Retried upstream calls, by reason.", ["reason"], registry=reg
+            "session_router_retries_total",
+            "Retried upstream calls, by reason.",
+            ["reason"],
+            registry=reg,
         )
-        self.worker_healthy = self._worker_gauge("router_worker_healthy", "1 if healthy.")
-        self.worker_running = self._worker_gauge("router_worker_running", "Running requests.")
-        self.worker_waiting = self._worker_gauge("router_worker_waiting", "Waiting requests.")
-        self.worker_kv_usage = self._worker_gauge("router_worker_kv_usage", "KV usage, 0..1.")
+        self.worker_healthy = self._worker_gauge("session_router_worker_healthy", "1 if healthy.")
+        self.worker_running = self._worker_gauge(
+            "session_router_worker_running_requests", "Running requests."
+        )
+        self.worker_waiting = self._worker_gauge(
+            "session_router_worker_waiting_requests", "Waiting requests."
+        )
+        self.worker_kv_usage = self._worker_gauge(
+            "session_router_worker_kv_usage_ratio", "KV usage, 0..1."
+        )
         self.link_reserved_bytes = Gauge(
-            "router_link_reserved_bytes",
+            "session_router_link_reserved_bytes",
             "Bytes reserved on a link (all replicas).",
             ["src", "dst"],
             registry=reg,
         )
         self.link_inflight_bytes = Gauge(
-            "router_link_inflight_bytes",
+            "session_router_link_inflight_bytes",
             "Bytes in flight on a link (all replicas).",
             ["src", "dst"],
             registry=reg,
         )
         self.estimate_error_ratio = HistogramCells(
-            "router_estimate_error_ratio",
+            "session_router_estimate_error_ratio",
             "realised / predicted, by term.",
             ERROR_RATIO_BUCKETS,
             ["term"],
             known=[(term,) for _, term in ESTIMATE_TERMS],
         )
         self.client_disconnects_total = Counter(
-            "router_client_disconnects_total", "Clients gone before the end.", registry=reg
+            "session_router_client_disconnects_total", "Clients gone before the end.", registry=reg
         )
         self.upstream_errors_total = Counter(
-            "router_upstream_errors_total",
+            "session_router_upstream_errors_total",
             "Failed upstream calls, by worker and kind.",
             ["worker", "kind"],
             registry=reg,
         )
         self.worker_ejections_total = Counter(
-            "router_worker_ejections_total",
+            "session_router_worker_ejections_total",
             "Outlier ejections of a worker (failed requests in a row), by worker.",
             ["worker"],
             registry=reg,
         )
         self.workers_ejected = Gauge(
-            "router_workers_ejected", "Workers ejected as outliers now.", registry=reg
+            "session_router_workers_ejected", "Workers ejected as outliers now.", registry=reg
         )
         self.build_info = Gauge(
-            "router_build_info",
+            "session_router_build_info",
             "Always 1: the router's version, its Python, and whether its compiled hot path "
             "runs (native on|off).",
             ["version", "python", "native"],
@@ -170,12 +194,21 @@ class RouterMetrics:
             version(), platform.python_version(), "on" if native.active else "off"
         ).set(1)
 
-        CellsCollector([
+        cells = CellsCollector([
             self.requests_total, self.decisions_total, self.decision_seconds,
             self.ttft_seconds, self.handoff_seconds, self.hold_seconds, self.transfer_bytes_total,
             self.inflight,
             self.recomputed_tokens_total, self.estimate_error_ratio,
-        ]).register(reg)  # fmt: skip
+        ])  # fmt: skip
+        cells.register(reg)
+        # the older names, for one more release (router/obs/aliases.py)
+        reg.register(DeprecatedNames([
+            cells, self.redis_roundtrip_seconds, self.rejected_total, self.degraded,
+            self.retries_total, self.worker_healthy, self.worker_running, self.worker_waiting,
+            self.worker_kv_usage, self.link_reserved_bytes, self.link_inflight_bytes,
+            self.client_disconnects_total, self.upstream_errors_total,
+            self.worker_ejections_total, self.workers_ejected, self.build_info,
+        ]))  # fmt: skip
         self._redis: dict[str, Histogram] = {}
         # the reasons the router uses, exported at 0 from the start
         self._rejected: dict[str, Counter] = {

@@ -3,7 +3,9 @@
 Every `batch_interval_s` (at once when the queue is large) the pending writes go out as ONE
 non-transactional pipeline of EVALSHAs (the session writes of a batch as a single call), and
 each caller's future is resolved from its reply. The pipeline goes over a lean connection of
-its own (`router.state.redis_wire`) where the URL allows, else through redis-py.
+its own (`router.state.redis_wire`) where the URL allows, else through redis-py (on Redis
+Cluster, its cluster pipeline, which sends each call to its slot's primary: the session writes
+go as one call per bucket, `Keys.bucket`).
 A batch that fails to reach Redis is put back whole and retried after recovery; the session
 script recognises its own earlier write (by write id), so a retry that was in fact applied
 still reports success.
@@ -18,13 +20,13 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
-from redis.asyncio import Redis
 from redis.exceptions import NoScriptError, ReadOnlyError
 
 from router.state.codec import link_from_ledger, session_from_cas, worker_encoder
 from router.state.health import UNREACHABLE, Health
 from router.state.keys import Keys
 from router.state.records import CommitResult, StateConfig
+from router.state.redis_url import StateClient
 from router.state.redis_wire import Command, LeanTarget, RespConnection
 from router.state.scripts import Scripts
 from router.state.view import FleetView, SessionView
@@ -41,7 +43,7 @@ class BatchWriter:
     def __init__(
         self,
         *,
-        client: Redis,
+        client: StateClient,
         config: StateConfig,
         keys: Keys,
         scripts: Scripts,
@@ -103,7 +105,8 @@ class BatchWriter:
         batch = self._queue.take(MAX_BATCH)
         if not batch:
             return
-        commands = self._commands(batch)
+        calls = session_calls(self._keys, batch.sessions)
+        commands = self._commands(batch, calls)
         started = time.perf_counter()
         try:
             replies = await self._send(commands)
@@ -120,7 +123,7 @@ class BatchWriter:
             return
         if self._on_roundtrip is not None:
             self._on_roundtrip("batch", time.perf_counter() - started)
-        await self._dispatch(batch, replies)
+        await self._dispatch(batch, calls, replies)
 
     async def _send(self, commands: list[Command]) -> list[Any]:
         """One pipeline: its replies, error replies in place."""
@@ -150,17 +153,19 @@ class BatchWriter:
         record = entry.record if entry is not None and not entry.optimistic else None
         _resolve(write, CommitResult(ok=False, record=record))
 
-    def _commands(self, batch: Batch) -> list[Command]:
+    def _commands(self, batch: Batch, calls: list[tuple[str, list[SessionWrite]]]) -> list[Command]:
         keys, scripts, replica = self._keys, self._scripts, self._config.replica_id
         commands: list[Command] = []
         add = commands.append
-        for chunk in _chunks(batch.sessions):
+        for prefix, chunk in calls:
             writes = _encode_writes([
                 (w.session_id, w.expected_epoch, w.epoch_inc, w.turns_inc, w.owner, w.tokens,
                  w.bytes, w.write_id)
                 for w in chunk
             ])  # fmt: skip
-            add(("EVALSHA", scripts.session_cas_batch, 0, keys.session_prefix,
+            # the bucket's key prefix is the call's one key: Redis Cluster sends it to that
+            # slot's primary (the script reads its prefix from ARGV)
+            add(("EVALSHA", scripts.session_cas_batch, 1, prefix, prefix,
                  self._session_ttl_ms, keys.channel, replica, writes))  # fmt: skip
         for record in batch.workers:
             add((
@@ -184,7 +189,9 @@ class BatchWriter:
             ))  # fmt: skip
         return commands
 
-    async def _dispatch(self, batch: Batch, replies: list[Any]) -> None:
+    async def _dispatch(
+        self, batch: Batch, calls: list[tuple[str, list[SessionWrite]]], replies: list[Any]
+    ) -> None:
         retry = Batch([], [], [], [])
         outage: BaseException | None = None
         reload = False
@@ -204,7 +211,7 @@ class BatchWriter:
             return "drop"
 
         position = iter(replies)
-        for chunk in _chunks(batch.sessions):
+        for _, chunk in calls:
             reply = next(position)
             verdict = rejected(reply)
             if verdict == "retry":
@@ -242,9 +249,21 @@ class BatchWriter:
             self.wake()
 
 
-def _chunks(writes: list[SessionWrite]) -> list[list[SessionWrite]]:
-    """Session writes in script calls of at most SESSIONS_PER_CALL each."""
-    return [writes[i : i + SESSIONS_PER_CALL] for i in range(0, len(writes), SESSIONS_PER_CALL)]
+def session_calls(keys: Keys, writes: list[SessionWrite]) -> list[tuple[str, list[SessionWrite]]]:
+    """Session writes in script calls: per bucket (one on a standalone Redis), at most
+    SESSIONS_PER_CALL each; with their bucket's key prefix."""
+    if keys.buckets == 1:
+        by_bucket = {0: writes}
+    else:
+        by_bucket = {}
+        for write in writes:
+            by_bucket.setdefault(keys.bucket(write.session_id), []).append(write)
+    calls: list[tuple[str, list[SessionWrite]]] = []
+    for bucket, part in by_bucket.items():
+        prefix = keys.session_prefix_of(bucket)
+        for i in range(0, len(part), SESSIONS_PER_CALL):
+            calls.append((prefix, part[i : i + SESSIONS_PER_CALL]))
+    return calls
 
 
 _encode_writes = msgspec.msgpack.Encoder().encode

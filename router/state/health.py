@@ -6,18 +6,27 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from redis.exceptions import (
+    ClusterDownError,
+    ReadOnlyError,
+    RedisClusterUnreachableError,
+    SlotNotCoveredError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ReadOnlyError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 log = logging.getLogger("router.state.shared")
 
-# Errors meaning "Redis cannot serve us now" (a failover's read-only replica included); any
+# Errors meaning "Redis cannot serve us now" (a failover's read-only replica included, and on
+# Redis Cluster a cluster that is down, a slot no primary serves, or no node answering); any
 # other Redis error is a bug or a misconfiguration and is reported, not treated as an outage.
 UNREACHABLE: tuple[type[BaseException], ...] = (
     RedisConnectionError,
     RedisTimeoutError,
     ReadOnlyError,
+    ClusterDownError,
+    SlotNotCoveredError,
+    RedisClusterUnreachableError,
     OSError,
     TimeoutError,
 )

@@ -2,8 +2,10 @@
 
 Times come from the Redis clock (TIME), so leases and `last_seen` agree across replicas
 whatever their own clocks say. Floats are stored with 17 significant digits so they round-trip
-exactly. The refresh and ledger scripts touch keys named inside the script (from the prefixes
-passed in ARGV): the shared state needs one standalone Redis, not a cluster.
+exactly. The session and refresh scripts touch keys named inside the script (from the prefixes
+passed in ARGV); on Redis Cluster those keys share the hash slot of the keys the call names
+(`router.state.keys`), which is what the cluster requires of a script. The session scripts'
+one key is their bucket's prefix, there only to route the call.
 
 Ledger admission rule (`reserve`): expired leases are pruned first; a "handoff" reservation is
 always admitted; a "migration" of `nbytes` is admitted iff

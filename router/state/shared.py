@@ -34,6 +34,7 @@ from router.state.records import (
     Unknown,
     WorkerRecord,
 )
+from router.state.redis_url import is_cluster
 from router.state.sync import StateSync
 from router.state.view import FleetView, SessionView
 from router.state.write_queue import ReleaseWrite, SessionWrite, WriteQueue
@@ -64,7 +65,7 @@ class SharedState:
         on_degraded: Callable[[bool], None] | None = None,
     ) -> None:
         self.config = config
-        self._keys = Keys(config.prefix)
+        self._keys = Keys(config.prefix, cluster=is_cluster(config.url))
         self._health = Health(on_degraded)
         self._sessions = SessionView(config.session_cache_size, config.session_ttl_s)
         self._fleet = FleetView()

@@ -20,8 +20,8 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 import msgspec
-from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError
@@ -31,7 +31,7 @@ from router.state.codec import invalidation_decoder, session_from_cas, snapshot_
 from router.state.health import UNREACHABLE, Health, backoff_delays
 from router.state.keys import Keys
 from router.state.records import StateConfig
-from router.state.redis_url import close_redis, open_redis
+from router.state.redis_url import StateClient, close_redis, open_redis
 from router.state.redis_wire import RespConnection, lean_target
 from router.state.scripts import Scripts
 from router.state.view import FleetView, SessionEntry, SessionView
@@ -64,7 +64,7 @@ class StateSync:
         self._queue = queue
         self._health = health
         self._on_roundtrip = on_roundtrip
-        self.client: Redis = open_redis(
+        self.client: StateClient = open_redis(
             config.url,
             socket_timeout=config.command_timeout_s,
             socket_connect_timeout=config.connect_timeout_s,
@@ -166,11 +166,17 @@ class StateSync:
 
     async def _load_scripts(self) -> None:
         started = time.perf_counter()
-        pipe = self.client.pipeline(transaction=False)
-        pipe.ping()
-        for source in self._scripts.sources.values():
-            pipe.script_load(source)
-        replies = await pipe.execute()
+        if isinstance(self.client, RedisCluster):
+            # SCRIPT LOAD goes to every primary (redis-py routes it so outside a pipeline)
+            await self.client.ping()
+            replies = [None, *[await self.client.script_load(source)
+                               for source in self._scripts.sources.values()]]  # fmt: skip
+        else:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.ping()
+            for source in self._scripts.sources.values():
+                pipe.script_load(source)
+            replies = await pipe.execute()
         self.roundtrip("ping", started)
         loaded = [r.decode() if isinstance(r, bytes) else r for r in replies[1:]]
         if loaded != self._scripts.shas:
@@ -281,23 +287,28 @@ class StateSync:
         entries = self._sessions.write_back_entries(self._queue.session_ids())
         keys, config = self._keys, self._config
         ttl_ms = int(config.session_ttl_s * 1000)
-        per_pipeline = SESSIONS_PER_CALL * WRITE_BACK_CALLS
+        by_bucket: dict[int, list[tuple[str, SessionEntry]]] = {}
+        for item in entries:
+            by_bucket.setdefault(keys.bucket(item[0]), []).append(item)
+        step = SESSIONS_PER_CALL
+        every = [(keys.session_prefix_of(bucket), part[i : i + step])
+                 for bucket, part in by_bucket.items()
+                 for i in range(0, len(part), step)]  # fmt: skip
         applied = 0
-        for first in range(0, len(entries), per_pipeline):
-            part = entries[first : first + per_pipeline]
-            step = SESSIONS_PER_CALL
-            calls = [part[i : i + step] for i in range(0, len(part), step)]
+        for first in range(0, len(every), WRITE_BACK_CALLS):
+            calls = every[first : first + WRITE_BACK_CALLS]
             pipe = self.client.pipeline(transaction=False)
-            for call in calls:
+            for prefix, call in calls:
                 rows = _encode_restore([_restore_row(sid, entry) for sid, entry in call])
+                # the bucket's prefix is the call's one key, as in the batch writer
                 pipe.evalsha(
-                    self._scripts.session_restore_batch, 0, keys.session_prefix, ttl_ms,
+                    self._scripts.session_restore_batch, 1, prefix, prefix, ttl_ms,
                     keys.channel, config.replica_id, rows,
                 )  # fmt: skip
             started = time.perf_counter()
             replies = await pipe.execute()
             self.roundtrip("batch", started)
-            for call, reply in zip(calls, replies, strict=True):
+            for (_, call), reply in zip(calls, replies, strict=True):
                 for (session_id, entry), stored in zip(call, _decode_stored(reply), strict=True):
                     ok, epoch, record = session_from_cas(session_id, stored)
                     applied += ok

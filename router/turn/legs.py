@@ -34,6 +34,7 @@ from router.http import (
     UpstreamTimeout,
 )
 from router.obs.events import StageClock, StageEvents
+from router.obs.tracing import TurnTrace
 from router.state.shared import SessionRecord
 from router.turn.fields import RoutingFields
 from router.turn.relay import RelayResult, StreamRelay
@@ -93,6 +94,8 @@ class TurnContext:
     # first token is due (`policies.types.engine_priority`); None: they carry none
     engine_priority: int | None = None
     _body: dict[str, Any] | None = field(default=None, repr=False)
+    # a sampled turn's OpenTelemetry trace (router.obs.tracing); None without --otel
+    trace: TurnTrace | None = field(default=None, repr=False)
 
     @property
     def path(self) -> str:
@@ -202,8 +205,11 @@ class LegRunner:
             head = first if first_token_leg else min(timeouts.head_s, first)
         else:
             first = head = timeouts.whole_s
+        headers = ctx.headers
+        if ctx.trace is not None:  # the leg's own span id in its traceparent
+            headers = ctx.trace.leg_headers(headers, worker_id, first_token_leg, self._clock.now())
         return self.pool.upstream.request(
-            self.pool.url(worker_id), "POST", ctx.path, ctx.headers, payload,
+            self.pool.url(worker_id), "POST", ctx.path, headers, payload,
             head_timeout_s=head, first_byte_timeout_s=first, gap_timeout_s=timeouts.gap_s,
         )  # fmt: skip
 
@@ -369,7 +375,7 @@ def _is_openai_error(body: bytes) -> bool:
 
 
 def failure_kind(exc: UpstreamError, otherwise: str) -> str:
-    """The `router_upstream_errors_total` kind of a failed leg."""
+    """The `session_router_upstream_errors_total` kind of a failed leg."""
     return f"timeout_{exc.stage}" if isinstance(exc, UpstreamTimeout) else otherwise
 
 
@@ -398,9 +404,9 @@ def _both(first: Callable[[], None], then: Callable[[], None] | None) -> Callabl
 
 
 class _Inflight:
-    """Counts a request on a worker, locally (router_inflight reads it) and in the fleet's
-    shared in-flight ledger; and, once it begins answering, among the worker's requests
-    started since its last scrape (`WorkerState.started_since_scrape`)."""
+    """Counts a request on a worker, locally (session_router_inflight_requests reads it) and in
+    the fleet's shared in-flight ledger; and, once it begins answering, among the worker's
+    requests started since its last scrape (`WorkerState.started_since_scrape`)."""
 
     __slots__ = ("_began", "_state", "_worker", "_worker_id")
 

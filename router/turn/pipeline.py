@@ -31,6 +31,7 @@ from router.fleet.workers import ModelPool, WorkerPool
 from router.http import Request, Response, StreamWriter
 from router.obs.events import EventLog, StageClock, StageEvents
 from router.obs.metrics import RouterMetrics
+from router.obs.tracing import Tracing, TurnTrace
 from router.state.shared import UNKNOWN, SessionRecord, SharedState
 from router.turn.execute import Executor
 from router.turn.fields import (
@@ -94,6 +95,9 @@ class TurnPipeline:
         self._running_loop: asyncio.AbstractEventLoop | None = None
         self._unsettled: list[StageEvents] = []
         self._settle_timer: asyncio.TimerHandle | None = None
+        # OpenTelemetry (--otel): traced turns' spans are made as they settle
+        self.tracing: Tracing | None = None
+        self._untraced: list[tuple[TurnTrace, StageEvents]] = []
 
     async def handle(self, request: Request, writer: StreamWriter, chat: bool) -> Response | None:
         """One turn; returns the reply, or None when it was streamed through `writer`."""
@@ -199,11 +203,14 @@ class TurnPipeline:
         authorization = request.headers.get("authorization")
         if self._config.forward_auth and authorization is not None:
             headers["Authorization"] = authorization
-        return TurnContext(writer=writer, chat=chat, raw=raw, fields=fields, _body=body,
-                           session_id=session_id, request_id=echo_id, turn=turn,
-                           record=record, events=events, headers=headers,
-                           prompt_chars=chars if id_count is None else 0,
-                           pool=pool)  # fmt: skip
+        ctx = TurnContext(writer=writer, chat=chat, raw=raw, fields=fields, _body=body,
+                          session_id=session_id, request_id=echo_id, turn=turn,
+                          record=record, events=events, headers=headers,
+                          prompt_chars=chars if id_count is None else 0,
+                          pool=pool)  # fmt: skip
+        if self.tracing is not None:
+            ctx.trace = self.tracing.begin(headers, ctx.path)
+        return ctx
 
     def _objectives(self, request: Request, prompt_tokens: int) -> Objectives:
         ttft = self._config.slo_ttft_ms
@@ -296,6 +303,8 @@ class TurnPipeline:
             self._commit(ctx, events)
             if ctx.view is not None:
                 events.record_placement_load(ctx.view)
+            if ctx.trace is not None:
+                self._untraced.append((ctx.trace, events))
         self._unsettled.append(events)
         if self._settle_timer is None:  # left armed when a turn settles first: one per period
             self._settle_timer = self._loop().call_later(SETTLE_AFTER_S, self._settle_on_time)
@@ -319,6 +328,13 @@ class TurnPipeline:
                 self._account(events)
             except Exception:
                 log.exception("accounting for request %s failed", events.request_id)
+        if self._untraced and self.tracing is not None:
+            traced, self._untraced = self._untraced, []
+            for trace, events in traced:
+                try:
+                    self.tracing.finish(trace, events)
+                except Exception:
+                    log.exception("tracing request %s failed", events.request_id)
 
     def _account(self, events: StageEvents) -> None:
         action = events.action or "none"

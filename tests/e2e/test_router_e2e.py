@@ -206,7 +206,9 @@ async def test_replicas_see_each_others_in_flight_counts_and_link_reservations(
             reserved = inflight = 0.0
             for _ in range(100):
                 await asyncio.sleep(0.02)
-                reserved = await metric_sum(http, second.url, "router_link_reserved_bytes", link)
+                reserved = await metric_sum(
+                    http, second.url, "session_router_link_reserved_bytes", link
+                )
                 _, rows = await admin_get(http, second.url, second.admin_token, "/admin/workers")
                 inflight = max(row["fleet_inflight"] for row in rows["workers"])
                 if reserved > 0 and inflight > 0:
@@ -238,10 +240,12 @@ async def test_a_handoff_gives_its_link_reservation_back_at_the_first_token(
                         "delta"
                     ].get("content"):
                         break  # the first token
-                reserved = await metric_sum(http, router.url, "router_link_reserved_bytes", link)
-                streaming = await metric_sum(http, router.url, "router_inflight")
+                reserved = await metric_sum(
+                    http, router.url, "session_router_link_reserved_bytes", link
+                )
+                streaming = await metric_sum(http, router.url, "session_router_inflight_requests")
                 rest = [line async for line in response.content if line.startswith(b"data: ")]
-            transferred = await metric_sum(http, router.url, "router_transfer_bytes_total")
+            transferred = await metric_sum(http, router.url, "session_router_transfer_bytes_total")
     finally:
         cluster.process.stop()
     assert streaming == 1.0  # the answer was still streaming
@@ -304,7 +308,7 @@ async def test_router_inflight_counts_a_turn_while_it_streams(
 ) -> None:
     router = start_router(*workers_args(sim4.urls[:1]))
     body = {"prompt": "once upon a time", "max_tokens": 400, "stream": True}
-    inflight = "router_inflight"
+    inflight = "session_router_inflight_requests"
     async with aiohttp.ClientSession() as http:
         assert await metric_sum(http, router.url, inflight) == 0.0
         async with http.post(router.url + "/v1/completions", json=body) as response:

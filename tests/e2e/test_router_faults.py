@@ -96,7 +96,9 @@ async def test_refused_connection_is_retried_once_on_another_worker(
     async with aiohttp.ClientSession() as http:
         _answer, usage, response = await chat(http, router.url, MESSAGES, session_id="retry-1")
         assert response.status == 200 and usage["completion_tokens"] == 8
-        retries = await metric_sum(http, router.url, "router_retries_total", 'reason="connect"')
+        retries = await metric_sum(
+            http, router.url, "session_router_retries_total", 'reason="connect"'
+        )
         _, record = await admin_get(http, router.url, router.admin_token,
                                     "/admin/sessions/retry-1")  # fmt: skip
     assert retries == 1
@@ -133,7 +135,9 @@ async def test_worker_dying_mid_stream_ends_the_stream_with_an_error_and_clears_
                 break
             await asyncio.sleep(0.01)
         assert status == 404
-        errors = await metric_sum(http, router.url, "router_upstream_errors_total", "midstream")
+        errors = await metric_sum(
+            http, router.url, "session_router_upstream_errors_total", "midstream"
+        )
         assert errors >= 1
     victim.process.stop()
 
@@ -158,7 +162,7 @@ async def test_client_disconnect_cancels_the_upstream_request(
             await asyncio.sleep(0.005)
         cancel_s = time.monotonic() - closed_at
         assert await metric_sum(http, worker, "vllm:num_requests_running") == 0
-        disconnects = await metric_sum(http, router.url, "router_client_disconnects_total")
+        disconnects = await metric_sum(http, router.url, "session_router_client_disconnects_total")
     assert cancel_s < 0.1
     assert disconnects >= 1
 
@@ -178,7 +182,7 @@ async def test_decode_leg_failure_after_prefill_is_retried_as_local_prefill(
         _answer, usage, response = await chat(http, router.url, MESSAGES, max_tokens=4)
         _, decisions = await admin_get(http, router.url, router.admin_token,
                                        "/admin/decisions?limit=1")  # fmt: skip
-        recomputed = await metric_sum(http, router.url, "router_recomputed_tokens_total")
+        recomputed = await metric_sum(http, router.url, "session_router_recomputed_tokens_total")
     assert response.status == 200 and usage["completion_tokens"] == 4
     event = decisions["decisions"][0]
     assert event["retried"] is True

@@ -29,8 +29,8 @@ async def test_a_held_turn_goes_out_after_its_hold(
         assert response.status == 200 and usage["completion_tokens"] == 3
         _, decisions = await admin_get(http, router.url, router.admin_token,
                                        "/admin/decisions?limit=1")  # fmt: skip
-        held = await metric_sum(http, router.url, "router_hold_seconds_sum")
-        holds = await metric_sum(http, router.url, "router_hold_seconds_count")
+        held = await metric_sum(http, router.url, "session_router_hold_seconds_sum")
+        holds = await metric_sum(http, router.url, "session_router_hold_seconds_count")
     [received] = recorder.received
     assert holds == 1 and held == pytest.approx(0.4, abs=0.1)
     assert received.at - sent >= 0.4
@@ -49,7 +49,7 @@ async def test_a_client_gone_during_the_hold_sends_nothing_upstream(
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(chat(http, router.url, MESSAGES), 0.3)
         await asyncio.sleep(1.2)  # past the hold
-        disconnects = await metric_sum(http, router.url, "router_client_disconnects_total")
+        disconnects = await metric_sum(http, router.url, "session_router_client_disconnects_total")
         _, decisions = await admin_get(http, router.url, router.admin_token,
                                        "/admin/decisions?limit=1")  # fmt: skip
     assert recorder.received == []

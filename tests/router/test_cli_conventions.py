@@ -98,7 +98,7 @@ def test_build_info_metric() -> None:
         f'native="{native_state}",python="{platform.python_version()}",'
         f'version="{version.version()}"'
     )
-    lines = [line for line in text.splitlines() if line.startswith("router_build_info{")]
+    lines = [line for line in text.splitlines() if line.startswith("session_router_build_info{")]
     assert len(lines) == 1
     found = dict(re.findall(r'(\w+)="([^"]*)"', lines[0]))
     assert found == dict(re.findall(r'(\w+)="([^"]*)"', labels))

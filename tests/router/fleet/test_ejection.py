@@ -182,9 +182,13 @@ async def test_a_worker_answering_500_to_every_turn_is_ejected_and_gets_no_new_s
     assert rows["a"]["ejected"] is True and rows["a"]["ejections"] == 1
     assert rows["a"]["ejected_for_s"] > 0 and rows["a"]["healthy"] is True  # it scrapes fine
     assert rows["b"]["ejected"] is False and rows["b"]["ejections"] == 0
-    assert await router.metric(stack.http, "router_worker_ejections_total", 'worker="a"') == 1
-    assert await router.metric(stack.http, "router_worker_ejections_total", 'worker="b"') == 0
-    assert await router.metric(stack.http, "router_workers_ejected") == 1
+    assert (
+        await router.metric(stack.http, "session_router_worker_ejections_total", 'worker="a"') == 1
+    )
+    assert (
+        await router.metric(stack.http, "session_router_worker_ejections_total", 'worker="b"') == 0
+    )
+    assert await router.metric(stack.http, "session_router_workers_ejected") == 1
 
 
 async def test_a_failing_prefill_worker_is_ejected_and_handoffs_use_another(

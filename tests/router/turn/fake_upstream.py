@@ -289,11 +289,11 @@ class RouterUnderTest:
         token = uuid.uuid4().hex
         options.setdefault("admin_token", token)
         options.setdefault("scrape_interval_ms", 100)
+        options.setdefault("redis_prefix", f"turn-test-{uuid.uuid4().hex[:10]}")  # one each
         config = RouterConfig(
             workers=tuple(workers),
             policy=PolicyConfig(name=policy, params=params or {}),
             redis=redis_url,
-            redis_prefix=f"turn-test-{uuid.uuid4().hex[:10]}",
             **options,
         )
         router = Router(config)

@@ -173,5 +173,5 @@ async def test_app_endpoints_list_models_health_readiness_and_metrics(stack: Sta
     status, body = await call(stack, router, "GET", "/v1/chat/completions", token=None)
     assert status == 405
     assert a.received == []
-    assert await router.metric(stack.http, "router_worker_healthy", 'worker="a"') == 1
-    assert await router.metric(stack.http, "router_requests_total") == 1  # the 404 turn
+    assert await router.metric(stack.http, "session_router_worker_healthy", 'worker="a"') == 1
+    assert await router.metric(stack.http, "session_router_requests_total") == 1  # the 404 turn

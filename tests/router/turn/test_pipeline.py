@@ -253,7 +253,10 @@ async def test_failed_prefill_leg_leaves_the_decode_worker_to_prefill_itself(
     (event,) = await router.decisions(stack.http)
     assert event["recomputed_tokens"] == event["estimated_prompt_tokens"] > 0
     assert event["transferred_bytes"] == 0
-    assert await router.metric(stack.http, "router_upstream_errors_total", 'kind="http_500"') == 1
+    assert (
+        await router.metric(stack.http, "session_router_upstream_errors_total", 'kind="http_500"')
+        == 1
+    )
 
 
 @pytest.mark.parametrize(("nic_gbps", "refused"), [(1e-6, True), (400.0, False)],
@@ -316,7 +319,10 @@ async def test_rejected_turn_is_a_429_with_an_openai_error(stack: Stack, streame
     assert error == {"error": {"message": "turn rejected: scripted overload",
                                "type": "rate_limit_error", "param": None, "code": 429}}  # fmt: skip
     assert a.received == []
-    assert await router.metric(stack.http, "router_rejected_total", 'reason="policy"') == 1
+    assert (
+        await router.metric(stack.http, "session_router_rejected_requests_total", 'reason="policy"')
+        == 1
+    )
     (event,) = await router.decisions(stack.http)
     assert event["action"] == "reject" and event["outcome"] == "rejected"
     assert event["http_status"] == 429
@@ -352,10 +358,10 @@ async def test_decode_worker_refusing_connections_after_a_good_prefill_is_recomp
     assert event["retried"] is True and event["decode_worker"] == "e"
     assert event["recomputed_tokens"] == event["estimated_prompt_tokens"] > 0
     assert event["outcome"] == "completed"
-    recomputed = await router.metric(stack.http, "router_recomputed_tokens_total")
+    recomputed = await router.metric(stack.http, "session_router_recomputed_tokens_total")
     assert recomputed == event["recomputed_tokens"]
     errors = 'kind="connect",worker="dead"'
-    assert await router.metric(stack.http, "router_upstream_errors_total", errors) == 1
+    assert await router.metric(stack.http, "session_router_upstream_errors_total", errors) == 1
 
     async def resident_on_e() -> bool:
         found, record = await router.session(stack.http, session)
@@ -383,8 +389,8 @@ async def test_worker_dropping_the_connection_before_answering_is_retried_on_ano
     assert len(a.received) >= 1 and len(b.received) == 1
     (event,) = await router.decisions(stack.http)
     assert event["retried"] is True and event["decode_worker"] == "b"
-    assert await router.metric(stack.http, "router_retries_total", 'reason="connect"') == 1
-    assert await router.metric(stack.http, "router_worker_healthy", 'worker="a"') == 0
+    assert await router.metric(stack.http, "session_router_retries_total", 'reason="connect"') == 1
+    assert await router.metric(stack.http, "session_router_worker_healthy", 'worker="a"') == 0
 
 
 @pytest.mark.parametrize("code", [400, 503])
@@ -402,7 +408,9 @@ async def test_worker_error_status_is_forwarded_and_commits_nothing(
     assert event["outcome"] == "error" and event["http_status"] == code
     found, _ = await router.session(stack.http, session)
     assert found == 404
-    server_errors = await router.metric(stack.http, "router_upstream_errors_total", "http_5")
+    server_errors = await router.metric(
+        stack.http, "session_router_upstream_errors_total", "http_5"
+    )
     assert server_errors == (1 if code >= 500 else 0)
 
 
@@ -422,7 +430,9 @@ async def test_stream_cut_mid_way_ends_with_an_error_event_and_done(stack: Stack
     assert lines.count(b"data: [DONE]") == 1
     (event,) = await router.decisions(stack.http)
     assert event["outcome"] == "error" and event["error"]
-    errors = await router.metric(stack.http, "router_upstream_errors_total", 'kind="midstream"')
+    errors = await router.metric(
+        stack.http, "session_router_upstream_errors_total", 'kind="midstream"'
+    )
     assert errors == 1
 
     async def cleared() -> bool:  # the worker's KV for the session is no longer trusted
@@ -449,12 +459,12 @@ async def test_client_disconnecting_mid_stream_cancels_the_upstream_request(
     assert a.closed_early == 1
 
     async def counted() -> bool:
-        return await router.metric(stack.http, "router_client_disconnects_total") == 1
+        return await router.metric(stack.http, "session_router_client_disconnects_total") == 1
 
     await eventually(counted)
     (event,) = await router.decisions(stack.http)
     assert event["outcome"] == "cancelled"
-    assert await router.metric(stack.http, "router_inflight", 'worker="a"') == 0
+    assert await router.metric(stack.http, "session_router_inflight_requests", 'worker="a"') == 0
     # and the router goes on serving
     status, _, reply = await post(stack, router, chat_body())
     assert status == 200 and reply["choices"][0]["message"]["content"] == " a0 a1 a2"
@@ -476,7 +486,7 @@ async def test_client_giving_up_on_a_whole_turn_cancels_the_upstream_request(
     await a.wait_closed_early()  # raises TimeoutError if the router kept the request open
 
     async def counted() -> bool:
-        return await router.metric(stack.http, "router_client_disconnects_total") == 1
+        return await router.metric(stack.http, "session_router_client_disconnects_total") == 1
 
     await eventually(counted)
     (event,) = await router.decisions(stack.http)

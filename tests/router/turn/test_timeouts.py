@@ -160,7 +160,7 @@ async def test_a_worker_that_never_answers_is_timed_out_and_the_turn_retried_on_
     assert event["retried"] is True and event["decode_worker"] == "b"
     assert event["outcome"] == "completed"
     errors = f'kind="timeout_{stage}",worker="a"'
-    assert await router.metric(stack.http, "router_upstream_errors_total", errors) == 1
+    assert await router.metric(stack.http, "session_router_upstream_errors_total", errors) == 1
 
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["whole", "stream"])
@@ -210,7 +210,7 @@ async def test_a_stream_that_stalls_after_its_first_bytes_ends_with_an_error_eve
     (event,) = await router.decisions(stack.http)
     assert event["outcome"] == "error" and event["error"]
     errors = 'kind="timeout_gap",worker="a"'
-    assert await router.metric(stack.http, "router_upstream_errors_total", errors) == 1
+    assert await router.metric(stack.http, "session_router_upstream_errors_total", errors) == 1
 
 
 async def test_a_prefill_leg_that_never_answers_is_retried_on_another_prefill_worker(
