@@ -61,9 +61,12 @@ VLLM_VENV := .venv-vllm
 real-engines: $(STAMP)
 	$(BIN)/python -m bench.vllm.install --venv $(VLLM_VENV)
 
-# the router in front of real vLLM engines (tests/real_engine)
+# the router in front of real vLLM engines (tests/real_engine); native tracebacks: on CPython
+# 3.11.7 pytest's own failure report of these tests dies in ast.parse ("AST constructor
+# recursion depth mismatch")
 test-real: real-engines native
 	SESSION_ROUTER_VLLM_VENV=$(VLLM_VENV) $(BIN)/python -m pytest -q -s -m real_engine --timeout 900 \
+		--tb=native -p no:hypothesispytest \
 		tests/real_engine $(PYTEST_ARGS)
 
 # the example policy plugin, installed (its entry point) and tested with policies.testing
