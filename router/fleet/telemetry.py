@@ -70,6 +70,8 @@ def parse_worker_load(text: str, engine: Engine, now: float) -> WorkerLoad:
         raise ValueError(f"no {engine} load metrics in the scraped page (expected {expected})")
     hits = _pick(samples, spec.prefix_hits)
     queries = _pick(samples, spec.prefix_queries)
+    if hits is None and queries is not None:
+        hits = []  # SGLang writes its cached-token series at the first hit only
     return WorkerLoad(
         running=round(_sum_replicas(running, spec.replica_label)),
         waiting=round(_sum_replicas(waiting, spec.replica_label)),
