@@ -35,9 +35,9 @@ FAIL_MARKERS = {"prefill": "FAIL-PREFILL-", "decode": "FAIL-DECODE-"}
 # prefill answer shows whether the router sends the legs at once or one after the other.
 PREFILL_DELAY_S = 0.3
 # A decode server generates once its room's prefill is done (the KV has arrived); if that
-# prefill failed or never came, it answers 500 after this wait, as SGLang's decode server does
-# once its bootstrap or transfer times out (shortened here).
-KV_WAIT_S = 2.0
+# prefill failed or never came, it answers 500 when this wait runs out, as SGLang's decode
+# server does once its bootstrap or transfer times out (shortened here).
+KV_WAIT_S = 1.0
 SERVED_MODEL = "tiny"
 
 
@@ -64,6 +64,7 @@ class CaptureServer:
     # bootstrap room (as JSON) -> whether its prefill succeeded; shared by a run's servers
     rooms: dict[str, asyncio.Future[bool]]
     answered_at: dict[int, float] = field(default_factory=dict)  # seq -> monotonic seconds
+    answered: dict[int, asyncio.Future[None]] = field(default_factory=dict)  # seq -> done
     port: int = 0
     _runner: web.AppRunner | None = None
 
@@ -96,10 +97,12 @@ class CaptureServer:
         headers = {k.lower(): v for k, v in request.headers.items()}
         self.log.append(Captured(self.name, request.method, request.path, headers, body,
                                  time.monotonic(), seq))  # fmt: skip
+        done = self.answered[seq] = asyncio.get_running_loop().create_future()
         try:
             return await self._answer(request, body)
         finally:
             self.answered_at[seq] = time.monotonic()
+            done.set_result(None)
 
     async def _answer(self, request: web.Request, body: Any) -> web.StreamResponse:
         path = request.path
@@ -130,11 +133,14 @@ class CaptureServer:
             if not room.done():
                 room.set_result(status is None)
         elif status is None:
+            deadline = time.monotonic() + KV_WAIT_S
             try:
                 arrived = await asyncio.wait_for(asyncio.shield(room), KV_WAIT_S)
             except TimeoutError:
                 arrived = False
-            status = None if arrived else 500
+            if not arrived:
+                await asyncio.sleep(deadline - time.monotonic())
+                status = 500
         if status is not None:
             return web.json_response({"object": "error", "message": f"{self.name} failed",
                                       "type": "InternalServerError", "param": None,
@@ -274,8 +280,11 @@ async def run_scenarios(
                       "content_type": response.headers.get("Content-Type"),
                       "body": (await response.read()).decode()}  # fmt: skip
         answered = time.monotonic()
-        await asyncio.sleep(KV_WAIT_S + 0.2)  # legs still open come to their end
+        await asyncio.sleep(0.05)  # a leg sent last is on its way
         legs = [c for c in log[start:] if c.method == "POST"]
+        by_name = {s.name: s for s in servers}
+        async with asyncio.timeout(PREFILL_DELAY_S + KV_WAIT_S + 2):  # open legs end
+            await asyncio.gather(*(by_name[c.server].answered[c.seq] for c in legs))
         decode_done = [s.answered_at.get(c.seq) for s in servers for c in legs
                        if s.name == c.server and s.role == "decode"]  # fmt: skip
         answer["before_decode_answered"] = any(t is None or answered < t for t in decode_done)
