@@ -102,6 +102,8 @@ def parse_worker_load(text: str, engine: Engine, now: float) -> WorkerLoad:
     pulls = _pick(samples, spec.pulls)
     pull_seconds = _pick(samples, spec.pull_seconds)
     pull_bytes = _pick(samples, spec.pull_bytes)
+    if hits is None and queries is not None:
+        hits = []  # SGLang writes its cached-token series at the first hit only
     return WorkerLoad(
         running=round(_sum_replicas(running, spec.replica_label)),
         waiting=round(_sum_replicas(waiting, spec.replica_label)),

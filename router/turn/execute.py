@@ -31,7 +31,7 @@ class Executor:
         self._state = state
         self._clock = clock
         self._rng = random.Random()
-        self._drains: set[asyncio.Task[None]] = set()
+        self._drains: set[asyncio.Future[Response | Exception | None]] = set()
 
     async def execute(self, ctx: TurnContext, decision: Decision, plan: Plan) -> Response | None:
         """Carry out `plan`, what `decision` became: its legs, and its transfer's reservation."""
@@ -210,44 +210,75 @@ class Executor:
         self, ctx: TurnContext, prefill: str, decode: str, transfer: _Transfer
     ) -> Response | None:
         spec = self._pool.workers[prefill].spec
-        host = spec.base_url.split("://", 1)[1].rsplit(":", 1)[0]
         body = ctx.body()
         if ctx.fields.stream and not ctx.fields.wants_usage:
             body = leg_body.with_usage_requested(body)
-        prefill_body, decode_body = sglang.legs(body, host, spec.bootstrap_port,
-                                                         self._rng)  # fmt: skip
+        prefill_body, decode_body = sglang.legs(body, sglang.bootstrap_host(spec.base_url),
+                                                spec.bootstrap_port, self._rng)  # fmt: skip
         ctx.events.prefill_start = ctx.events.transfer_start = self._clock.now()
         drain = asyncio.ensure_future(self._drain(prefill, ctx, leg_body.encode_body(prefill_body)))
         self._drains.add(drain)
         drain.add_done_callback(self._drains.discard)
         ctx.served_by = decode
+        relay = asyncio.ensure_future(self._legs.relay(
+            ctx, decode, leg_body.encode_body(decode_body), on_first_token=transfer.arrived,
+            brings_kv=True,
+        ))  # fmt: skip
         try:
-            response = await self._legs.relay(
-                ctx, decode, leg_body.encode_body(decode_body), on_first_token=transfer.arrived,
-                brings_kv=True,
-            )  # fmt: skip
+            await asyncio.wait((drain, relay), return_when=asyncio.FIRST_COMPLETED)
+            failure = drain.result() if drain.done() and not relay.done() else None
+            if failure is not None and not ctx.writer.started and relay.cancel():
+                # The decode server would wait for KV that never comes until its bootstrap
+                # times out: the prefill server's failure is the client's answer at once, as
+                # SGLang's own router gives it.
+                await asyncio.wait((relay,))
+                if relay.cancelled():
+                    ctx.served_by = prefill
+                    ctx.events.error = f"prefill worker {prefill} failed"
+                    if isinstance(failure, Exception):
+                        raise failure
+                    return failure
+            response = await relay
         except BaseException:
             drain.cancel()
+            relay.cancel()
             raise
         ctx.events.prefill_end = self._clock.now()
         self._finish_transfer(ctx, transfer)
         return response
 
-    async def _drain(self, worker_id: str, ctx: TurnContext, payload: bytes) -> None:
+    async def _drain(
+        self, worker_id: str, ctx: TurnContext, payload: bytes
+    ) -> Response | Exception | None:
+        """The prefill leg, read to its end for what its usage says was cached. Its failure
+        for the client: the prefill server's error answer, or what a refused or timed-out leg
+        raises (`LegRunner.unanswered`); None once it answered 200, even if its body broke off
+        after (the KV may be on its way: the decode leg decides)."""
         legs = self._legs
         with legs.inflight(worker_id):
             try:
                 upstream = await legs.send(ctx, worker_id, payload, first_token_leg=True)
-                usage = answer_usage(await upstream.read())
+            except UpstreamError as exc:
+                connect = isinstance(exc, UpstreamConnectError)
+                legs.on_upstream_error(worker_id, failure_kind(exc, "connect" if connect
+                                                              else "prefill_leg"))  # fmt: skip
+                return legs.unanswered(ctx, worker_id, exc)
+            try:
+                raw = await upstream.read()
             except UpstreamError as exc:
                 legs.on_upstream_error(worker_id, failure_kind(exc, "prefill_leg"))
-                return
-        if upstream.status >= 500:
-            legs.on_upstream_error(worker_id, f"http_{upstream.status}")
-            return
+                return None
+            except BaseException:
+                upstream.close()
+                raise
+        if upstream.status != 200:
+            content_type = upstream.headers.get("content-type", "application/json")
+            return legs.error_answer(ctx, worker_id, upstream.status, raw, content_type)
         legs.succeeded(worker_id)
-        if usage is not None and upstream.status == 200:
+        usage = answer_usage(raw)
+        if usage is not None:
             ctx.events.prefill_cached_tokens = usage.reported_cached_tokens
+        return None
 
 
 class _Transfer:

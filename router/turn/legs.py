@@ -330,22 +330,30 @@ class LegRunner:
         self, ctx: TurnContext, worker_id: str, upstream: UpstreamResponse
     ) -> Response | None:
         body = await upstream.read()
-        if upstream.status >= 500:
-            self.on_upstream_error(worker_id, f"http_{upstream.status}")
-        else:
-            self.succeeded(worker_id)  # the worker is fine: the request was refused
+        content_type = upstream.headers.get("content-type", "application/json")
+        answer = self.error_answer(ctx, worker_id, upstream.status, body, content_type)
         ctx.events.error = f"worker answered {upstream.status}"
         if ctx.writer.started:
             await self.fail_stream(ctx, worker_id, f"worker answered {upstream.status}")
             return None
-        if upstream.status >= 400 and not _is_openai_error(body):
-            # a worker's (or its proxy's) plain-text or HTML error page: the client still gets
-            # an OpenAI-shaped error, with the worker's status
+        return answer
+
+    def error_answer(
+        self, ctx: TurnContext, worker_id: str, status: int, body: bytes, content_type: str
+    ) -> Response:
+        """A worker's answer other than 200 as the client's, with the worker's status: a 5xx
+        counts against the worker, a 4xx is the request's fault. An error body that is not
+        OpenAI's shape (a plain-text or HTML page of the worker or its proxy) is wrapped in
+        it."""
+        if status >= 500:
+            self.on_upstream_error(worker_id, f"http_{status}")
+        else:
+            self.succeeded(worker_id)  # the worker is fine: the request was refused
+        if status >= 400 and not _is_openai_error(body):
             snippet = body[:200].decode("utf-8", "replace").strip()
-            message = f"worker {worker_id} answered {upstream.status}: {snippet}"
-            return error_response(upstream.status, message, headers=ctx.echo())
-        content_type = upstream.headers.get("content-type", "application/json")
-        return Response(upstream.status, body, ctx.echo(), content_type)
+            message = f"worker {worker_id} answered {status}: {snippet}"
+            return error_response(status, message, headers=ctx.echo())
+        return Response(status, body, ctx.echo(), content_type)
 
     async def fail_stream(
         self, ctx: TurnContext, worker_id: str, reason: str, status: int = 502
