@@ -27,7 +27,7 @@ from bench.vllm.install import DEFAULT_CACHE
 from router.fleet.prom_text import parse_samples
 
 ROOT = Path(__file__).resolve().parents[2]
-VENV = Path(os.environ.get("SESSION_ROUTER_VLLM_VENV", ROOT / ".venv-vllm"))
+VENV = ROOT / os.environ.get("SESSION_ROUTER_VLLM_VENV", ".venv-vllm")  # relative: to ROOT
 MODEL = ROOT / DEFAULT_CACHE / "tiny-llama-seed0"
 HOST = "127.0.0.1"
 ADMIN_TOKEN = "real-engine-suite"
