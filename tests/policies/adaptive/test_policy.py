@@ -520,7 +520,7 @@ def test_failed_outcomes_leave_decisions_alone() -> None:
 
 
 BAD_PARAMS: list[tuple[Mapping[str, object], str]] = [
-    ({"gpu": "b200"}, "unknown GPU preset 'b200'; known: a100-80g, h100-sxm, h200-sxm"),
+    ({"gpu": "b200"}, "unknown GPU preset 'b200'; known: a100-80g, cpu, h100-sxm, h200-sxm"),
     ({"model": "llama-4"}, "unknown model preset 'llama-4'; known: llama-3.1-70b, llama-3.1-8b"),
     ({"tp": "0"}, "tp must be >= 1, got 0"),
     ({"chunked_prefill": "0"}, "chunked_prefill must be >= 1, got 0"),

@@ -166,8 +166,12 @@ def test_load_from_sglang_metrics_pages(page: str, expected: WorkerLoad) -> None
 def test_every_metric_name_we_read_is_on_sglangs_page() -> None:
     declared = {line.split()[2] for line in _page("metrics_served.txt").splitlines()
                 if line.startswith("# TYPE ")}  # fmt: skip
-    for names in sglang.METRICS.groups:
+    metrics = sglang.METRICS
+    for names in (metrics.running, metrics.waiting, metrics.kv_usage, metrics.prefix_hits,
+                  metrics.prefix_queries):  # fmt: skip
         assert names and set(names) <= declared
+    # SGLang counts no KV pulls: the router reads none from its page
+    assert metrics.pulls == metrics.pull_seconds == metrics.pull_bytes == ()
     # the labels a scheduler's gauges carry, which the replica label must be one of when
     # data parallelism adds it
     running = next(line for line in _page("metrics_served.txt").splitlines()
