@@ -32,7 +32,7 @@ from tests.real_engine.conftest import (
 )
 
 StartRouter = Callable[..., Router]
-SCRIPTED = "tests.real_engine.scripted:Scripted"
+SCRIPTED = "tests.e2e.scripted_policies:Scripted"
 
 
 def _client(router: Router, session: str) -> openai.OpenAI:
