@@ -192,11 +192,15 @@ async def compare(
             searches[stack_spec.policy] = found
     runs = _with_max_goodput(runs, searches, sliced.num_turns / max(sliced.duration_s, 1e-9))
     summary = Summary([run.summary for run in runs])
+    workers = (
+        "simulated workers" if spec.real is None
+        else f"real vLLM engines serving {spec.real.model_dir}"
+    )  # fmt: skip
     notes = [
         f"trace {trace.name!r} ({trace.source or 'no source'}): {sliced.num_turns} turns of "
         f"{len(sliced.conversations)} sessions, replayed live at rate scale "
         f"{spec.rate_scale:g} through the {spec.api} API",
-        f"cluster {spec.cluster} (simulated workers); each policy got a fresh cluster and a "
+        f"cluster {spec.cluster} ({workers}); each policy got a fresh cluster and a "
         f"fresh router with embedded Redis; first-token convention {spec.first_token}",
     ]
     for run in runs:
