@@ -60,6 +60,8 @@ def serve_args(spec: EngineSpec) -> list[str]:
         "--enable-prefix-caching", "--enable-prompt-tokens-details",
         "--max-model-len", str(spec.max_model_len),
         "--scheduling-policy", spec.scheduling_policy,
+        # one log line per scrape otherwise: the router reads /metrics several times a second
+        "--disable-uvicorn-access-log",
     ]  # fmt: skip
     if spec.kv_role is not None:
         config = {"kv_connector": "NixlConnector", "kv_role": spec.kv_role,
