@@ -27,7 +27,6 @@ from __future__ import annotations
 import gzip
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import IO
 
 import msgspec
 
@@ -76,7 +75,7 @@ def write_requests(
     packed = path.with_name(path.name + ".gz")
     encoder = msgspec.json.Encoder()
     buffer = bytearray()
-    sink: IO[bytes] | None = None
+    sink: gzip.GzipFile | None = None
     try:
         for result in results:
             encoder.encode_into(_rounded(result), buffer, -1)

@@ -112,7 +112,7 @@ def cells(spec: WorkloadSpec) -> list[_Cell]:
     return result
 
 
-class _Blocks:
+class BlockIds:
     """Hands out block ids: the system prompt's full blocks first, then fresh ones."""
 
     def __init__(self, block_tokens: int, system_tokens: int) -> None:
@@ -128,7 +128,7 @@ class _Blocks:
         return shared[:total] + tuple(range(start, start + fresh))
 
 
-def _think(spec: ThinkSpec, rng: random.Random) -> float:
+def think_time(spec: ThinkSpec, rng: random.Random) -> float:
     if spec.mean_s == 0:
         return 0.0
     if spec.distribution == "fixed":
@@ -152,7 +152,7 @@ def _session(
     cell: _Cell,
     number: int,
     start_s: float,
-    blocks: _Blocks,
+    blocks: BlockIds,
     think_rng: random.Random,
 ) -> Conversation:
     system = spec.system_prefix_tokens if cell.reuse == "system-prefix" else 0
@@ -168,7 +168,7 @@ def _session(
                 new_input_tokens=cell.prompt,
                 output_tokens=cell.output,
                 prefix_blocks=prefix,
-                think_s=_think(spec.think, think_rng) if k else 0.0,
+                think_s=think_time(spec.think, think_rng) if k else 0.0,
                 ttft_slo_ms=spec.ttft_slo_ms,
                 itl_slo_ms=spec.itl_slo_ms,
                 klass=cell.klass,
@@ -187,7 +187,7 @@ def generate_matrix(spec: WorkloadSpec, path: str | Path | None = None) -> Trace
     think_rng = random.Random(f"{spec.seed}:think")
     sessions = [(c, n) for c in cells(spec) for n in range(spec.sessions_per_class)]
     order_rng.shuffle(sessions)
-    blocks = _Blocks(spec.block_tokens, spec.system_prefix_tokens)
+    blocks = BlockIds(spec.block_tokens, spec.system_prefix_tokens)
     now = 0.0
     conversations = []
     for cell, number in sessions:
