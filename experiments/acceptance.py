@@ -34,11 +34,12 @@ import msgspec
 
 from bench.des import SimConfig
 from bench.des.goodput import Search, goodput_search
+from bench.hindsight import threshold_candidates
 from bench.results.summary import RunSummary
 from bench.simulate import GOODPUT_TARGET, PolicyRun, plan_runs, run_one
 from bench.stack.layout import ClusterSpec, default_prefill_workers, worker_roles
 from bench.traces.workloads import WorkloadSpec
-from experiments.acceptance_grid import next_variants, threshold_candidates
+from experiments.acceptance_grid import next_variants
 from experiments.acceptance_verdicts import render, verdict
 from experiments.acceptance_workloads import (
     REPLICA_SEED_STRIDE,

@@ -14,7 +14,7 @@ Used by live replay, `bench compare` and the discrete-event simulator alike. Lay
     report.md        objectives, one row per run, why requests were not good, per-class
                      attainment, figures
     report.html      the same document; images by relative path
-    ttft_cdf.png, itl_cdf.png, slo_by_class.png, decisions.png
+    ttft_cdf.png, itl_cdf.png, slo_by_class.png, decisions.png, good_over_time.png
 
 Figures group results by `RequestResult.policy`, which names the run
 (`bench.results.report.run_label`: the policy, plus `@{rate}x` when a policy ran at several rates).
@@ -139,6 +139,7 @@ def write_run_outputs(
     labels = [run_label(run, summary.runs) for run in summary.runs]
     groups = group_results(results, labels)
     attainment = {label: run.per_class for label, run in zip(labels, summary.runs, strict=True)}
+    objectives = {label: run.objectives for label, run in zip(labels, summary.runs, strict=True)}
     drawings: list[tuple[str, str, Callable[[Path], bool]]] = [
         ("ttft_cdf.png", "TTFT CDF (client)", lambda p: plots.ttft_cdf(p, groups)),
         ("itl_cdf.png", "Inter-token gap CDF (client)", lambda p: plots.itl_cdf(p, groups)),
@@ -146,6 +147,8 @@ def write_run_outputs(
          lambda p: plots.slo_by_class(p, attainment)),
         ("decisions.png", "Router decisions over time",
          lambda p: plots.decisions_over_time(p, groups)),
+        ("good_over_time.png", "Good requests over time",
+         lambda p: plots.good_over_time(p, groups, objectives)),
     ]  # fmt: skip
     figures: list[Image] = []
     for name, caption, draw in drawings:

@@ -211,22 +211,3 @@ def read_spec(path: str | Path) -> WorkloadSpec:
     if data.lstrip().startswith(b"{"):
         return msgspec.json.decode(data, type=WorkloadSpec)
     return msgspec.toml.decode(data, type=WorkloadSpec)
-
-
-DEMO_SPEC = WorkloadSpec(
-    name="demo",
-    prompt_tokens=(256, 4096),
-    output_tokens=(64,),
-    reuse=("none", "system-prefix", "multi-turn"),
-    turns=(4,),
-    sessions_per_class=6,
-    system_prefix_tokens=1024,
-    arrival=ArrivalSpec(process="poisson", rate_rps=0.9),
-    think=ThinkSpec(distribution="exponential", mean_s=2.0),
-)
-
-
-def demo_trace(seed: int = 0) -> Trace:
-    """The short bundled trace `make demo` replays: 36 sessions, 72 turns over roughly 40 s,
-    short (256) and long (4096 token) prompts, single-turn and 4-turn sessions."""
-    return generate_matrix(msgspec.structs.replace(DEMO_SPEC, seed=seed))

@@ -19,7 +19,7 @@ from bench.results.report import run_label
 from bench.results.summary import Objectives, RequestResult, Summary, read_summary, summarise
 
 PNG = b"\x89PNG\r\n\x1a\n"
-FIGURES = ("ttft_cdf.png", "itl_cdf.png", "slo_by_class.png", "decisions.png")
+FIGURES = ("ttft_cdf.png", "itl_cdf.png", "slo_by_class.png", "good_over_time.png", "decisions.png")
 
 
 def _results(label: str, count: int, *, routed: bool, start: float = 100.0) -> list[RequestResult]:
@@ -88,7 +88,7 @@ def test_results_without_router_fields(tmp_path: Path) -> None:
     (tmp_path / "decisions.png").write_bytes(b"stale")
     write_run_outputs(tmp_path, _summary({("live", 1.0): results}), results, "client only")
     assert not (tmp_path / "decisions.png").exists()
-    for name in FIGURES[:3]:
+    for name in FIGURES[:4]:
         assert (tmp_path / name).read_bytes().startswith(PNG)
     md = (tmp_path / "report.md").read_text()
     assert "decisions.png" not in md
