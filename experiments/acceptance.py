@@ -191,7 +191,8 @@ def tune(
     """The `fixed` variants and the split grid (`acceptance_grid`) on every workload: each
     split family's K searched coarse to fine (or every K with `exhaustive`), in rounds, each
     round's searches starting where the earlier ones reached. By workload: `fixed` in order,
-    then the split variants in the order searched."""
+    then the split variants in the order searched, then the `known` ones no round asked for
+    (a reused grid keeps every K it measured)."""
     workers = template.cluster.workers
     results = {w.name: dict((known or {}).get(w.name, {})) for w in workloads}
     order: dict[str, list[Variant]] = {w.name: list(fixed) for w in workloads}
@@ -208,8 +209,12 @@ def tune(
         round_ = {w.name: next_variants(list(results[w.name].values()), thresholds[w.name],
                                         workers, exhaustive)
                   for w in workloads}  # fmt: skip
-    return {name: [results[name][v.label] for v in vs if v.label in results[name]]
-            for name, vs in order.items()}  # fmt: skip
+    out = {}
+    for name, vs in order.items():
+        labels = [v.label for v in vs]
+        labels += [label for label in results[name] if label not in labels]  # known, not asked
+        out[name] = [results[name][label] for label in labels if label in results[name]]
+    return out
 
 
 def _plan(variant: Variant, template: SimConfig) -> PolicyRun:

@@ -135,3 +135,19 @@ def test_tune_searches_the_split_grid_and_the_report_shows_it() -> None:
     assert "| disaggregate | " in grid and "| threshold 1024 | " in grid
     best = text.split("## Each baseline's best variant", 1)[1]
     assert "(threshold 1024 K=" in best and "(colocate)" in best
+
+
+def test_tune_keeps_every_known_variant_of_a_reused_grid() -> None:
+    args = _parser().parse_args([*_SMALL, "--cluster", "3xh200-sxm/llama-3.1-8b"])
+    workloads = matrix_workloads(matrix_spec(args), args.class_turns, args.span_s)
+    cluster = ClusterSpec.parse(args.cluster)
+    template = SimConfig(cluster=cluster, roles=tuple(worker_roles("colocate", cluster.workers)))
+    fixed = [Variant("colocate", "colocate")]
+    first = tune(workloads, fixed, {"p4096-g64-none": []}, template, jobs=1, tolerance=0.5)
+    known = {"p4096-g64-none": {m.label: m for m in first["p4096-g64-none"]}}
+    extra = msgspec.structs.replace(first["p4096-g64-none"][0], label="threshold 64 K=2")
+    known["p4096-g64-none"][extra.label] = extra  # measured before, asked by no round now
+    again = tune(workloads, fixed, {"p4096-g64-none": []}, template, jobs=1, tolerance=0.5,
+                 known=known)  # fmt: skip
+    assert [m.label for m in again["p4096-g64-none"]] == [
+        "colocate", "disaggregate K=1", "disaggregate K=2", "threshold 64 K=2"]  # fmt: skip
