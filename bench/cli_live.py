@@ -251,7 +251,11 @@ def _demo_command(args: argparse.Namespace) -> int:
 
     if not args.rate_scale > 0:
         raise SystemExit(f"{_SUB} demo: --rate-scale must be > 0")
-    return _run(lambda stop: run_demo(Path(args.out), args.rate_scale, not args.no_progress, stop))
+    return _run(
+        lambda stop: run_demo(
+            Path(args.out), args.rate_scale, not args.no_progress, stop, live=args.live
+        )
+    )
 
 
 def register_bench(bench: Any) -> None:
@@ -340,5 +344,8 @@ def register_top(subparsers: Any) -> None:
         default=1.0,
         help="multiplies the demo trace's arrival rate (default 1: fixed placements break)",
     )
+    add("--live", action="store_true",
+        help="replay live against simulated workers and a router (needs more than two cores "
+             "at this load) instead of in the simulator")  # fmt: skip
     add("--no-progress", action="store_true")
     demo.set_defaults(run=_demo_command)

@@ -2,13 +2,19 @@
 
 A short non-stationary trace (`demo_trace`: long-prompt short-answer phases alternating with
 short-prompt long-answer ones, `DEMO_PHASE_S` each, twice over) at a load where fixed
-placements break, replayed live on a simulated 4 x H200 / Llama-3.1-8B cluster behind a fresh
-router, once each for colocation, the best fixed split and adaptive. The best fixed split is
-chosen in hindsight, as a user tuning it would: every K of 1..3 prefill workers for
-disaggregate and for threshold at each of its candidates (`bench.hindsight`), each run on the
-same trace in the discrete-event simulator, the highest share of good requests winning. Out
-come the side-by-side table, good requests over time per policy (in the terminal, and
-good_over_time.png) and the usual report. About two minutes on two cores.
+placements break, on a 4 x H200 / Llama-3.1-8B cluster, once each for colocation, the best
+fixed split and adaptive. The best fixed split is chosen in hindsight, as a user tuning it
+would: every K of 1..3 prefill workers for disaggregate and for threshold at each of its
+candidates (`bench.hindsight`), each run on the same trace, the highest share of good requests
+winning. Out come the side-by-side table, good requests over time per policy (in the terminal,
+and good_over_time.png) and the usual report.
+
+The runs are the discrete-event simulator's (`bench simulate`: the simulated workers' engine,
+the same policy objects, the live router's semantics), well under a minute on two cores. With
+`live`, the three are replayed live instead, each against a fresh simulated cluster and router
+(`bench compare`): the load that breaks fixed placements streams about 20 turns a second of
+answers hundreds of tokens long, which needs more than two cores for the simulated workers
+to keep real time (on two shared cores their lag, not the placement, decides the result).
 """
 
 from __future__ import annotations
@@ -25,16 +31,16 @@ from bench.des import SimConfig
 from bench.hindsight import threshold_candidates
 from bench.results.outputs import REPORT_HTML, REPORT_MD, read_requests, requests_file
 from bench.results.summary import Objectives, RequestResult, Summary, is_good
-from bench.simulate import plan_runs, run_one
+from bench.simulate import plan_runs, run_one, run_simulation, write_outputs
 from bench.stack.layout import ClusterSpec, worker_roles
 from bench.traces.model import Trace
 from bench.traces.phases import generate_phased, mix_shift
 
 DEMO_OUT = Path("bench-out/demo")
-DEMO_PHASE_S = 10.0
+DEMO_PHASE_S = 8.0
 # Sessions/s: where on DEMO_CLUSTER adaptive keeps nearly every request good and colocation and
 # the best fixed split lose a large share of the long-prompt phases (see the commit's figures).
-DEMO_RATE_RPS = 1.2
+DEMO_RATE_RPS = 7.5
 DEMO_CLUSTER = DEFAULT_CLUSTER
 _BUCKET_S = 5.0
 _BARS = " ▁▂▃▄▅▆▇█"
@@ -109,39 +115,56 @@ def _timelines(out_dir: Path, summary: Summary) -> list[str]:
     return lines
 
 
+def _simulated(trace: Trace, split: FixedSplit, out_dir: Path) -> Summary:
+    template = SimConfig(cluster=DEMO_CLUSTER,
+                         roles=tuple(worker_roles("colocate", DEMO_CLUSTER.workers)))  # fmt: skip
+    params = {split.policy: split.params} if split.params else None
+    [colocate, adaptive] = plan_runs(["colocate", "adaptive"], template)
+    [fixed] = plan_runs([split.policy], template, split.prefill_workers, params)
+    runs = [colocate, fixed, adaptive]
+    simulation = run_simulation(trace, runs, jobs=1)
+    write_outputs(out_dir, trace, runs, simulation)
+    return simulation.summary
+
+
 async def run_demo(
     out_dir: Path = DEMO_OUT,
     rate_scale: float = 1.0,
     progress: bool = True,
     stop: asyncio.Event | None = None,
     console: Console | None = None,
+    live: bool = False,
 ) -> int:
     console = console or Console()
-    trace = demo_trace()
+    trace = demo_trace().scaled(rate_scale)
     cluster = DEMO_CLUSTER
     console.print(
         f"session-router demo: {trace.num_turns} turns of {len(trace.conversations)} sessions "
-        f"whose mix changes every {DEMO_PHASE_S:g} s (long prompts with short answers, then "
-        f"short prompts with long answers, twice), at {rate_scale:g}x its rate, on a "
-        f"simulated {cluster}."
+        f"whose mix changes every {DEMO_PHASE_S / rate_scale:g} s (long prompts with short "
+        f"answers, then short prompts with long answers, twice), at {rate_scale:g}x its "
+        f"rate, on {cluster}."
     )
     console.print("Tuning the fixed split in hindsight on the simulator ...")
-    split = await asyncio.to_thread(best_fixed_split, trace, cluster, rate_scale)
+    split = await asyncio.to_thread(best_fixed_split, trace, cluster)
     console.print(
         f"  best of {split.tried} fixed layouts: {split.label} "
         f"({split.attainment:.0%} good in the simulator)."
     )
     chosen = ("colocate", split.policy, "adaptive")
-    spec = CompareSpec(
-        policies=chosen, cluster=cluster, prefill_workers=split.prefill_workers,
-        rate_scale=rate_scale, policy_params={split.policy: split.params} if split.params else {},
-    )  # fmt: skip
+    how = ("live, each on a fresh simulated cluster and router" if live
+           else "in the simulator")  # fmt: skip
     console.print(
-        f"Replaying it live, once per placement, each on a fresh cluster and router: colocate "
-        f"({cluster.workers} mixed workers), {split.label}, adaptive ({cluster.workers} mixed "
-        "workers; it prefills, decodes or both per turn)."
+        f"Running it {how}: colocate ({cluster.workers} mixed workers), {split.label}, "
+        f"adaptive ({cluster.workers} mixed workers; it prefills, decodes or both per turn)."
     )
-    summary = await compare(trace, spec, out_dir, progress=progress, stop=stop)
+    if live:
+        spec = CompareSpec(
+            policies=chosen, cluster=cluster, prefill_workers=split.prefill_workers,
+            policy_params={split.policy: split.params} if split.params else {},
+        )  # fmt: skip
+        summary = await compare(trace, spec, out_dir, progress=progress, stop=stop)
+    else:
+        summary = await asyncio.to_thread(_simulated, trace, split, out_dir)
     console.print(comparison_table(summary, "session-router demo"))
     console.print(f"Good requests per {_BUCKET_S:g} s (bar height: good / most sent in a bucket):")
     for line in _timelines(out_dir, summary):
