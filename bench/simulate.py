@@ -299,7 +299,7 @@ def describe(trace: Trace, runs: Sequence[PolicyRun], simulation: Simulation) ->
     notes += [f"FAILED: {failure.describe()}" for failure in simulation.failures]
     events = sum(o.stats.events for o in simulation.outcomes)
     cpu = sum(o.stats.cpu_s for o in simulation.outcomes)
-    turns = sum(len(o.results) for o in simulation.outcomes)
+    turns = sum(o.summary.requests for o in simulation.outcomes)  # records may be dropped
     if cpu > 0:
         notes.append(
             f"Simulation cost: {len(simulation.outcomes)} runs, {turns} turns, {events} events "
