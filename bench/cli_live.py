@@ -301,11 +301,15 @@ def _up_command(args: argparse.Namespace) -> int:
 
 
 def _demo_command(args: argparse.Namespace) -> int:
-    from bench.demo import DEMO_RATE_SCALE, run_demo
+    from bench.demo import run_demo
 
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()] if args.policies else None
-    rate = args.rate_scale if args.rate_scale is not None else DEMO_RATE_SCALE
-    return _run(lambda stop: run_demo(Path(args.out), policies, rate, not args.no_progress, stop))
+    if not args.rate_scale > 0:
+        raise SystemExit(f"{_SUB} demo: --rate-scale must be > 0")
+    return _run(
+        lambda stop: run_demo(
+            Path(args.out), args.rate_scale, not args.no_progress, stop, live=args.live
+        )
+    )
 
 
 def register_bench(bench: Any) -> None:
@@ -424,12 +428,19 @@ def register_top(subparsers: Any) -> None:
     up.set_defaults(run=_up_command)
 
     demo = subparsers.add_parser(
-        "demo", help="compare placement policies on a short bundled trace (`make demo`)"
-    )
+        "demo", help="colocation, the best fixed split and adaptive on a load that changes "
+                     "(`make demo`)",
+    )  # fmt: skip
     add = demo.add_argument
     add("--out", default="bench-out/demo", help="output directory")
-    add("--policies", default=None,
-        help="comma-separated (default: colocate, disaggregate, threshold, adaptive)")  # fmt: skip
-    add("--rate-scale", type=float, default=None, help="default 4: about 20 s per policy")
+    add(
+        "--rate-scale",
+        type=float,
+        default=1.0,
+        help="multiplies the demo trace's arrival rate (default 1: fixed placements break)",
+    )
+    add("--live", action="store_true",
+        help="replay live against simulated workers and a router (needs more than two cores "
+             "at this load) instead of in the simulator")  # fmt: skip
     add("--no-progress", action="store_true")
     demo.set_defaults(run=_demo_command)

@@ -104,7 +104,7 @@ def _run(args: argparse.Namespace) -> int:
         try:
             simulation = run_simulation(
                 trace, runs, scales, args.find_max_goodput, args.jobs, args.goodput_tolerance,
-                on_run,
+                on_run, args.keep_all_requests,
             )  # fmt: skip
         except ValueError as exc:
             print(f"{_SUB}: {exc}", file=sys.stderr)
@@ -161,6 +161,9 @@ def register_bench(bench: Any) -> None:
                        help="arrival rate multipliers to sweep (default 1)")  # fmt: skip
     rates.add_argument("--find-max-goodput", action="store_true",
                        help="search each policy's highest rate with >= 90%% good")  # fmt: skip
+    add("--keep-all-requests", action="store_true",
+        help="with --find-max-goodput, keep every probe's per-request records (default: "
+             "each search's final bracket only; summary.json has every probe)")  # fmt: skip
     add("--goodput-tolerance", type=float, default=0.05,
         help="stop the search when the bracket is narrower than this ratio")  # fmt: skip
     add("--slo-ttft-ms", type=float, default=None, metavar="MS",

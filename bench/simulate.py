@@ -9,6 +9,11 @@ failure is kept (`PolicyFailure`) and reported, the other runs go on.
 
 `max_goodput_rps` is the arrival rate at the highest passing rate scale: the trace's turns per
 second at scale 1 (turns / the latest arrival offset) times that scale.
+
+A search keeps the per-request records only of its final bracket (the highest passing probe and
+the lowest failing one above it) unless `keep_all_requests`: a probe outside the current
+bracket can never become one of its ends (every later probe lies inside it), so its records
+are dropped as soon as the bracket passes it. Every probe's summary is kept.
 """
 
 from __future__ import annotations
@@ -153,8 +158,10 @@ def run_simulation(
     jobs: int | None = None,
     tolerance: float = 0.05,
     on_run: OnRun | None = None,
+    keep_all_requests: bool = False,
 ) -> Simulation:
-    """The sweep (every run at every scale), or with `find_max_goodput` each policy's search."""
+    """The sweep (every run at every scale), or with `find_max_goodput` each policy's search
+    (per-request records of its final bracket only, unless `keep_all_requests`)."""
     if find_max_goodput and (trace.concurrency is not None or not trace.duration_s > 0):
         raise ValueError(
             "--find-max-goodput scales arrival times: it needs an open-loop trace whose "
@@ -184,6 +191,8 @@ def run_simulation(
                     if following is not None:
                         pending[runner.submit(run, following)] = (run, search)
                         submitted += 1
+                    if not keep_all_requests:
+                        outcomes = _outside_bracket_dropped(outcomes, run.policy)
                 if on_run is not None:
                     on_run(outcome, submitted)
     finally:
@@ -205,6 +214,28 @@ def _advance(
         return None
 
 
+def bracket(outcomes: Sequence[RunOutcome], policy: str) -> tuple[float | None, float | None]:
+    """`policy`'s search bracket so far: its highest passing scale and the lowest failing one
+    above it (None where there is none), over its successful runs."""
+    runs = [o.summary for o in outcomes if o.summary.policy == policy and o.failure is None]
+    passed = [r.rate_scale for r in runs if r.slo_attainment >= GOODPUT_TARGET]
+    low = max(passed, default=None)
+    failed = [r.rate_scale for r in runs if r.slo_attainment < GOODPUT_TARGET]
+    high = min((s for s in failed if low is None or s > low), default=None)
+    return low, high
+
+
+def _outside_bracket_dropped(outcomes: list[RunOutcome], policy: str) -> list[RunOutcome]:
+    """`outcomes` with the records of `policy`'s runs outside its current bracket emptied."""
+    ends = bracket(outcomes, policy)
+    return [
+        msgspec.structs.replace(o, results=[])
+        if o.results and o.summary.policy == policy and o.summary.rate_scale not in ends
+        else o
+        for o in outcomes
+    ]
+
+
 def _assemble(
     trace: Trace,
     runs: Sequence[PolicyRun],
@@ -223,6 +254,8 @@ def _assemble(
         summaries.append(msgspec.structs.replace(outcome.summary, max_goodput_rps=rps))
     results: list[RequestResult] = []
     for outcome, summary in zip(good, summaries, strict=True):
+        if not outcome.results:
+            continue
         label = run_label(summary, summaries)
         results.extend(msgspec.structs.replace(r, policy=label) for r in outcome.results)
     failures = [o.failure for o in outcomes if o.failure is not None]
@@ -257,10 +290,16 @@ def describe(trace: Trace, runs: Sequence[PolicyRun], simulation: Simulation) ->
             f"max goodput search for {policy} (target {GOODPUT_TARGET:.0%} good): highest "
             f"passing scale {best}, lowest failing above it {above}; probes: {probes}"
         )
+    dropped = [o.summary for o in simulation.outcomes if not o.results and o.summary.requests]
+    if dropped:
+        notes.append(
+            f"Per-request records kept for each search's final bracket only: {len(dropped)} "
+            "probes have their summary here and no records (--keep-all-requests keeps them)."
+        )
     notes += [f"FAILED: {failure.describe()}" for failure in simulation.failures]
     events = sum(o.stats.events for o in simulation.outcomes)
     cpu = sum(o.stats.cpu_s for o in simulation.outcomes)
-    turns = sum(len(o.results) for o in simulation.outcomes)
+    turns = sum(o.summary.requests for o in simulation.outcomes)  # records may be dropped
     if cpu > 0:
         notes.append(
             f"Simulation cost: {len(simulation.outcomes)} runs, {turns} turns, {events} events "

@@ -34,30 +34,32 @@ import msgspec
 
 from bench.des import SimConfig
 from bench.des.goodput import Search, goodput_search
+from bench.hindsight import threshold_candidates
 from bench.results.summary import RunSummary
 from bench.simulate import GOODPUT_TARGET, PolicyRun, plan_runs, run_one
 from bench.stack.layout import ClusterSpec, default_prefill_workers, worker_roles
 from bench.traces.workloads import WorkloadSpec
+from experiments.acceptance_grid import next_variants
 from experiments.acceptance_verdicts import render, verdict
 from experiments.acceptance_workloads import (
     REPLICA_SEED_STRIDE,
-    MatrixSource,
     Measured,
     Offered,
-    TraceSource,
+    Source,
     Variant,
     Verdict,
     Workload,
+    fixed_variants,
     matrix_workloads,
+    nonstationary_workloads,
     offered_rps,
     trace_workloads,
-    variants,
 )
 
-_SOURCES: dict[str, TraceSource | MatrixSource] = {}
+_SOURCES: dict[str, Source] = {}
 
 
-def _init(sources: dict[str, TraceSource | MatrixSource]) -> None:
+def _init(sources: dict[str, Source]) -> None:
     _SOURCES.update(sources)
 
 
@@ -126,18 +128,21 @@ OnProbe = Callable[[str, str, Offered, int, int], None]  # workload, label, prob
 
 
 def measure(
-    workloads: Sequence[Workload], contenders: Sequence[Variant], template: SimConfig,
+    workloads: Sequence[Workload],
+    contenders: Sequence[Variant] | Mapping[str, Sequence[Variant]], template: SimConfig,
     jobs: int, tolerance: float = 0.05, on_probe: OnProbe | None = None,
     known: Mapping[str, Mapping[str, Measured]] | None = None, replicas: int = 1,
 ) -> dict[str, list[Measured]]:  # fmt: skip
-    """Every variant's max-goodput search on every workload, by workload, in variant order;
-    `known` results (by workload, then label) are kept, not searched again; each probe pools
-    `replicas` replays (`_probe`)."""
+    """Every variant's max-goodput search on every workload (`contenders`: the same for all,
+    or by workload name), by workload, in variant order; `known` results (by workload, then
+    label) are kept, not searched again; each probe pools `replicas` replays (`_probe`)."""
     known = known or {}
-    plans = [_plan(v, template) for v in contenders]
+    chosen = {w.name: (contenders[w.name] if isinstance(contenders, Mapping) else contenders)
+              for w in workloads}  # fmt: skip
+    plans = {v.label: _plan(v, template) for vs in chosen.values() for v in vs}
     searches = {
-        w.name: [_Search(w.name, v, run, known.get(w.name, {}).get(v.label))
-                 for v, run in zip(contenders, plans, strict=True)]
+        w.name: [_Search(w.name, v, plans[v.label], known.get(w.name, {}).get(v.label))
+                 for v in chosen[w.name]]
         for w in workloads
     }  # fmt: skip
     sources = {w.name: w.source for w in workloads}
@@ -177,6 +182,41 @@ def measure(
     return {name: [s.result for s in group if s.result] for name, group in searches.items()}
 
 
+def tune(
+    workloads: Sequence[Workload], fixed: Sequence[Variant], thresholds: Mapping[str, list[int]],
+    template: SimConfig, jobs: int, tolerance: float = 0.05, on_probe: OnProbe | None = None,
+    known: Mapping[str, Mapping[str, Measured]] | None = None, replicas: int = 1,
+    exhaustive: bool = False,
+) -> dict[str, list[Measured]]:  # fmt: skip
+    """The `fixed` variants and the split grid (`acceptance_grid`) on every workload: each
+    split family's K searched coarse to fine (or every K with `exhaustive`), in rounds, each
+    round's searches starting where the earlier ones reached. By workload: `fixed` in order,
+    then the split variants in the order searched, then the `known` ones no round asked for
+    (a reused grid keeps every K it measured)."""
+    workers = template.cluster.workers
+    results = {w.name: dict((known or {}).get(w.name, {})) for w in workloads}
+    order: dict[str, list[Variant]] = {w.name: list(fixed) for w in workloads}
+    round_ = {w.name: list(fixed) for w in workloads}
+    for w in workloads:
+        round_[w.name] += next_variants([], thresholds[w.name], workers, exhaustive)
+    while any(round_.values()):
+        for name, vs in round_.items():
+            order[name] += [v for v in vs if v not in order[name]]
+        measured = measure(workloads, round_, template, jobs, tolerance, on_probe, results,
+                           replicas)  # fmt: skip
+        for name, ms in measured.items():
+            results[name].update((m.label, m) for m in ms)
+        round_ = {w.name: next_variants(list(results[w.name].values()), thresholds[w.name],
+                                        workers, exhaustive)
+                  for w in workloads}  # fmt: skip
+    out = {}
+    for name, vs in order.items():
+        labels = [v.label for v in vs]
+        labels += [label for label in results[name] if label not in labels]  # known, not asked
+        out[name] = [results[name][label] for label in labels if label in results[name]]
+    return out
+
+
 def _plan(variant: Variant, template: SimConfig) -> PolicyRun:
     params = {variant.policy: variant.params} if variant.params else None
     # A split unless mixed, even for a policy that bench.stack.layout puts on mixed workers.
@@ -213,10 +253,14 @@ def _parser() -> argparse.ArgumentParser:
     add("--scheduling-policy", choices=("fcfs", "priority"), default="priority",
         help="the engines' (vLLM's --scheduling-policy); requests without a due time keep "
              "arrival order under priority too")  # fmt: skip
-    add("--splits", type=ints, default=(1, 2, 3, 4), help="disaggregate prefill workers")
-    add("--thresholds", type=ints, default=(256, 1024, 2048, 4096, 8192, 16384),
-        help="threshold's candidates, the best chosen in hindsight: the matrix prompt sizes "
-             "and the sizes between them")  # fmt: skip
+    add("--thresholds", type=ints, default=(),
+        help="threshold's candidates (default: per workload, the boundaries between its "
+             "prompt classes and the powers of two 256..65536, those no turn tells apart "
+             "dropped)")  # fmt: skip
+    add("--exhaustive-k", action="store_true",
+        help="search every K of each split family (default: coarse to fine)")  # fmt: skip
+    add("--phased-rate", type=float, default=1.0,
+        help="the non-stationary workloads' sessions/s at scale 1")  # fmt: skip
     add("--prompts", type=ints, default=(512, 4096, 16384), help="matrix prompt tokens")
     add("--outputs", type=ints, default=(64, 512), help="matrix output tokens")
     add("--reuse", default="none,system-prefix,multi-turn", help="matrix reuse modes")
@@ -228,7 +272,11 @@ def _parser() -> argparse.ArgumentParser:
     add("--only", default="", help="comma-separated workload names (default all)")
     add("--baselines", type=Path, metavar="JSON", help="reuse an acceptance.json's results")
     add("--remeasure", default="adaptive", help="labels --baselines searches again")
-    add("--no-adaptive-split", action="store_true", help="skip adaptive on the fixed split")
+    add(
+        "--adaptive-split",
+        action="store_true",
+        help="also adaptive on the default fixed split (for reference, not judged)",
+    )
     add("--tolerance", type=float, default=0.05, help="search bracket ratio")
     add("--replicas", type=int, default=1,
         help="replays per probe, each with its own seeds (matrix sessions, engine noise); "
@@ -256,6 +304,8 @@ def default_matrix() -> WorkloadSpec:
 def workloads_of(args: argparse.Namespace) -> list[Workload]:
     workloads = trace_workloads(args.traces_dir, args.limit, args.span_s)
     workloads += matrix_workloads(matrix_spec(args), args.class_turns, args.span_s)
+    workloads += nonstationary_workloads(args.traces_dir, args.limit, args.span_s,
+                                         args.phased_rate)  # fmt: skip
     only = set(names(args.only))
     return [w for w in workloads if not only or w.name in only]
 
@@ -298,21 +348,38 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{label} @ {p.rate_scale:.4g}x ({p.turns} turns, {p.rps:.3g}/s): {p.attainment:.1%}"
               " good", file=sys.stderr, flush=True)  # fmt: skip
 
-    contenders = variants(args.splits, args.thresholds, not args.no_adaptive_split)
+    thresholds = {w.name: list(args.thresholds) or threshold_candidates(w.source.at(8.0))
+                  for w in workloads}  # fmt: skip
     known = None
     if args.baselines is not None:
         try:
             known = reused(args.baselines, args.remeasure, args.replicas)
         except ValueError as exc:
             parser.error(str(exc))
-    results = measure(workloads, contenders, template, args.jobs, args.tolerance, on_probe, known,
-                      args.replicas)  # fmt: skip
+    results = tune(
+        workloads,
+        fixed_variants(args.adaptive_split),
+        thresholds,
+        template,
+        args.jobs,
+        args.tolerance,
+        on_probe,
+        known,
+        args.replicas,
+        args.exhaustive_k,
+    )
     verdicts = [verdict(w, results[w.name]) for w in workloads]
     command = "python -m experiments.acceptance " + " ".join(argv or sys.argv[1:])
     notes = [
         f"Discrete-event simulator, {cluster}: colocate and adaptive on {cluster.workers} mixed "
-        "workers, the others (and adaptive (fixed split), not judged) on K prefill + the rest "
-        f"decode workers (K = {default_prefill_workers(cluster.workers)} unless named).",
+        "workers (adaptive places each turn whole or split on any of them), round-robin (and "
+        "adaptive (fixed split), not judged) on K = "
+        f"{default_prefill_workers(cluster.workers)} prefill + the rest decode workers, "
+        "disaggregate and threshold on every K searched (named in the label: K prefill + "
+        f"{cluster.workers} - K decode), K searched "
+        f"{'exhaustively' if args.exhaustive_k else 'coarse to fine'}.",
+        "Thresholds per workload: " + "; ".join(
+            f"{name} {', '.join(map(str, ts))}" for name, ts in thresholds.items()) + ".",
         f"Engines: at most {args.max_num_seqs} running requests and "
         f"{args.max_num_batched_tokens} tokens a step; chunked prefill "
         f"{args.chunked_prefill or 'off'}; scheduling policy {args.scheduling_policy} (only "
@@ -327,7 +394,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "acceptance.json").write_bytes(msgspec.json.format(msgspec.json.encode(verdicts)))
-    (args.out / "acceptance.md").write_text(text := render(verdicts, command, notes), "utf-8")
+    text = render(verdicts, command, notes, cluster.workers)
+    (args.out / "acceptance.md").write_text(text, "utf-8")
     print(text)
     return 0 if all(v.passed for v in verdicts) else 1
 

@@ -45,7 +45,11 @@ def _ratio(v: Verdict) -> str:
     return (">" if screened else "") + f"{v.ratio:.2f}"
 
 
-def render(verdicts: Sequence[Verdict], command: str, notes: Sequence[str]) -> str:
+def render(
+    verdicts: Sequence[Verdict], command: str, notes: Sequence[str], workers: int | None = None
+) -> str:
+    """The report: verdicts, each baseline's best variant, with `workers` each workload's split
+    grid (max goodput by family and K), every variant's max goodput, adaptive's shortfalls."""
     lines = [
         "# Adaptive acceptance: max goodput (>= 90% of requests meet TTFT and ITL objectives)",
         "", f"Command: `{command}`", "", *[f"- {note}" for note in notes], "",
@@ -56,11 +60,47 @@ def render(verdicts: Sequence[Verdict], command: str, notes: Sequence[str]) -> s
               f"{v.adaptive_rps:.3g} | {_ratio(v)} | {'pass' if v.passed else 'FAIL'} |"
               for v in verdicts]  # fmt: skip
     lines += ["", f"{sum(v.passed for v in verdicts)} of {len(verdicts)} workloads pass.", ""]
-    labels = [m.label for m in verdicts[0].measured] if verdicts else []
-    head = "| workload | " + " | ".join(labels) + " |"
-    lines += ["## Max goodput per variant (requests/s)", "", head, "|---|" + "---:|" * len(labels)]
-    lines += [f"| {v.workload} | " + " | ".join(map(rps_text, v.measured)) + " |" for v in verdicts]
-    return "\n".join([*lines, *_shortfalls(verdicts), ""])
+    lines += _best_per_policy(verdicts)
+    if workers is not None:
+        lines += _grids(verdicts, workers)
+    lines += ["## Max goodput per variant (requests/s)", ""]
+    for v in verdicts:
+        lines.append(f"- {v.workload}: " + ", ".join(f"{m.label} {rps_text(m)}"
+                                                     for m in v.measured))  # fmt: skip
+    return "\n".join([*lines, "", *_shortfalls(verdicts), ""])
+
+
+def _best_per_policy(verdicts: Sequence[Verdict]) -> list[str]:
+    """Each baseline policy's best variant (its K and threshold in the label) per workload."""
+    policies = ["colocate", "round-robin", "disaggregate", "threshold"]
+    lines = ["## Each baseline's best variant (max goodput/s, layout)", "",
+             "| workload | " + " | ".join(policies) + " | adaptive | ratio | verdict |",
+             "|---|" + "---|" * (len(policies) + 3)]  # fmt: skip
+    for v in verdicts:
+        cells = []
+        for policy in policies:
+            ms = [m for m in v.measured if m.label.split(" ")[0] == policy]
+            best = max(ms, key=lambda m: m.max_goodput_rps, default=None)
+            cells.append("-" if best is None else f"{rps_text(best)} ({best.label})")
+        lines.append(f"| {v.workload} | " + " | ".join(cells) + f" | {v.adaptive_rps:.3g} | "
+                     f"{_ratio(v)} | {'pass' if v.passed else 'FAIL'} |")  # fmt: skip
+    return [*lines, ""]
+
+
+def _grids(verdicts: Sequence[Verdict], workers: int) -> list[str]:
+    from experiments.acceptance_grid import grid_rows
+
+    lines = ["## The split grid (max goodput/s by K prefill workers; . not searched)", ""]
+    for v in verdicts:
+        rows = grid_rows(v.measured, workers)
+        if not rows:
+            continue
+        ks = range(1, workers)
+        lines += [f"{v.workload}:", "", "| family | " + " | ".join(f"K={k}" for k in ks) + " |",
+                  "|---|" + "---:|" * len(ks)]  # fmt: skip
+        lines += [f"| {family} | " + " | ".join(cells) + " |" for family, cells in rows]
+        lines.append("")
+    return lines
 
 
 def _shortfalls(verdicts: Sequence[Verdict]) -> list[str]:

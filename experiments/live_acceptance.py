@@ -48,9 +48,9 @@ from experiments.acceptance import default_matrix, ints, names, reused
 from experiments.acceptance_verdicts import render, rps_text, verdict
 from experiments.acceptance_workloads import (
     TRACES,
-    MatrixSource,
     Measured,
     Offered,
+    Source,
     TraceSource,
     Variant,
     Verdict,
@@ -94,7 +94,7 @@ def stack_of(spec: CompareSpec, out: Path, scheduling: str) -> StackSpec:
 
 
 async def _run_at(
-    source: TraceSource | MatrixSource, label: str, spec: CompareSpec, stack: StackSpec,
+    source: Source, label: str, spec: CompareSpec, stack: StackSpec,
     scale: float,
 ) -> tuple[RunSummary, int, float]:  # fmt: skip
     """One probe, a fresh stack replaying `source` at `scale`: its summary, turns and
@@ -141,12 +141,12 @@ def render_probes(probes: Sequence[Probe], command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-Run = Callable[[TraceSource | MatrixSource, str, CompareSpec, StackSpec, float],
+Run = Callable[[Source, str, CompareSpec, StackSpec, float],
               Awaitable[tuple[RunSummary, int, float]]]  # fmt: skip
 
 
 async def screen(
-    source: TraceSource | MatrixSource, variant: Variant, spec: CompareSpec, stack: StackSpec,
+    source: Source, variant: Variant, spec: CompareSpec, stack: StackSpec,
     adaptive: Measured, needs: float, run: Run = _run_at,
 ) -> Measured | None:  # fmt: skip
     """One probe of a baseline at adaptive's highest passing scale over `needs`: where it
@@ -166,7 +166,7 @@ async def screen(
     )  # fmt: skip
 
 
-def _rps_at(source: TraceSource | MatrixSource, probes: list[Offered], scale: float) -> float:
+def _rps_at(source: Source, probes: list[Offered], scale: float) -> float:
     """A probe scale's arrival rate: a trace's by scale (every variant replays the same windows,
     but a window's own rate is no measure when the trace's density varies along it: a short
     window can be a burst); a matrix class's, its probe's (generated sessions arrive at one
@@ -178,7 +178,7 @@ def _rps_at(source: TraceSource | MatrixSource, probes: list[Offered], scale: fl
 
 
 async def search(
-    source: TraceSource | MatrixSource, variant: Variant, spec: CompareSpec, start: float,
+    source: Source, variant: Variant, spec: CompareSpec, start: float,
     stack: StackSpec,
 ) -> Measured:  # fmt: skip
     """`variant`'s live max goodput (0 when no probe passed), each probe a fresh stack
@@ -258,7 +258,9 @@ def workloads(args: argparse.Namespace) -> list[Workload]:
         if name not in files:
             raise SystemExit(f"unknown trace {name!r}; known: {', '.join(files)}")
         trace = load_trace(args.traces_dir / files[name])
-        out.append(Workload(name, TraceSource(trace, args.min_turns, args.span_s), needs_of(trace)))
+        out.append(
+            Workload(name, TraceSource(trace, args.min_turns, args.span_s), needs_of(trace, name))
+        )
     classes = {w.name: w for w in matrix_workloads(default_matrix(), args.min_turns, args.span_s)}
     for name in names(args.classes):
         if name not in classes:

@@ -14,7 +14,7 @@ from pathlib import Path
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from bench.results.summary import RequestResult, itl_gaps_ms, ttft_ms
+from bench.results.summary import Objectives, RequestResult, is_good, itl_gaps_ms, ttft_ms
 
 Groups = Mapping[str, Sequence[RequestResult]]
 _MAX_POINTS = 2000
@@ -154,5 +154,36 @@ def decisions_over_time(path: Path, groups: Groups) -> bool:
         axes.set_visible(False)
     handles, labels = next(iter(grid.flat)).get_legend_handles_labels()
     figure.legend(handles, labels, loc="outside upper center", ncols=len(actions))
+    figure.savefig(path, dpi=100)
+    return True
+
+
+def good_over_time(path: Path, groups: Groups, objectives: Mapping[str, Objectives]) -> bool:
+    """Good requests per second by when they were sent, one line per run (its objectives from
+    `objectives`, by label), over the same buckets for every run: where a load changes, which
+    placement keeps up shows at a glance."""
+    starts = {label: min(r.sent_at for r in results)
+              for label, results in groups.items() if results}  # fmt: skip
+    if not starts:
+        return False
+    span = max(max(r.sent_at for r in groups[label]) - start for label, start in starts.items())
+    width = _bucket_width(span)
+    buckets = int(span // width) + 1
+    figure = Figure(figsize=(8, 4.5), layout="constrained")
+    axes = figure.add_subplot()
+    for label, start in starts.items():
+        sent = Counter(int((r.sent_at - start) // width) for r in groups[label])
+        good = Counter(int((r.sent_at - start) // width) for r in groups[label]
+                       if is_good(r, objectives.get(label, Objectives())))  # fmt: skip
+        xs = [(b + 0.5) * width for b in range(buckets)]
+        line = axes.plot(xs, [good[b] / width for b in range(buckets)], label=f"{label} good",
+                         linewidth=2)  # fmt: skip
+        axes.plot(xs, [sent[b] / width for b in range(buckets)], linestyle=":", linewidth=1,
+                  color=line[0].get_color())  # fmt: skip
+    axes.set_xlabel(f"time since start (s), by when sent; {width:g} s buckets")
+    axes.set_ylabel("requests/s (dotted: sent)")
+    axes.set_ylim(bottom=0)
+    axes.set_title("Good requests over time")
+    _legend(axes, len(starts))
     figure.savefig(path, dpi=100)
     return True

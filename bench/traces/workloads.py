@@ -112,7 +112,7 @@ def cells(spec: WorkloadSpec) -> list[_Cell]:
     return result
 
 
-class _Blocks:
+class BlockIds:
     """Hands out block ids: the system prompt's full blocks first, then fresh ones."""
 
     def __init__(self, block_tokens: int, system_tokens: int) -> None:
@@ -128,7 +128,7 @@ class _Blocks:
         return shared[:total] + tuple(range(start, start + fresh))
 
 
-def _think(spec: ThinkSpec, rng: random.Random) -> float:
+def think_time(spec: ThinkSpec, rng: random.Random) -> float:
     if spec.mean_s == 0:
         return 0.0
     if spec.distribution == "fixed":
@@ -152,7 +152,7 @@ def _session(
     cell: _Cell,
     number: int,
     start_s: float,
-    blocks: _Blocks,
+    blocks: BlockIds,
     think_rng: random.Random,
 ) -> Conversation:
     system = spec.system_prefix_tokens if cell.reuse == "system-prefix" else 0
@@ -168,7 +168,7 @@ def _session(
                 new_input_tokens=cell.prompt,
                 output_tokens=cell.output,
                 prefix_blocks=prefix,
-                think_s=_think(spec.think, think_rng) if k else 0.0,
+                think_s=think_time(spec.think, think_rng) if k else 0.0,
                 ttft_slo_ms=spec.ttft_slo_ms,
                 itl_slo_ms=spec.itl_slo_ms,
                 klass=cell.klass,
@@ -187,7 +187,7 @@ def generate_matrix(spec: WorkloadSpec, path: str | Path | None = None) -> Trace
     think_rng = random.Random(f"{spec.seed}:think")
     sessions = [(c, n) for c in cells(spec) for n in range(spec.sessions_per_class)]
     order_rng.shuffle(sessions)
-    blocks = _Blocks(spec.block_tokens, spec.system_prefix_tokens)
+    blocks = BlockIds(spec.block_tokens, spec.system_prefix_tokens)
     now = 0.0
     conversations = []
     for cell, number in sessions:
@@ -211,22 +211,3 @@ def read_spec(path: str | Path) -> WorkloadSpec:
     if data.lstrip().startswith(b"{"):
         return msgspec.json.decode(data, type=WorkloadSpec)
     return msgspec.toml.decode(data, type=WorkloadSpec)
-
-
-DEMO_SPEC = WorkloadSpec(
-    name="demo",
-    prompt_tokens=(256, 4096),
-    output_tokens=(64,),
-    reuse=("none", "system-prefix", "multi-turn"),
-    turns=(4,),
-    sessions_per_class=6,
-    system_prefix_tokens=1024,
-    arrival=ArrivalSpec(process="poisson", rate_rps=0.9),
-    think=ThinkSpec(distribution="exponential", mean_s=2.0),
-)
-
-
-def demo_trace(seed: int = 0) -> Trace:
-    """The short bundled trace `make demo` replays: 36 sessions, 72 turns over roughly 40 s,
-    short (256) and long (4096 token) prompts, single-turn and 4-turn sessions."""
-    return generate_matrix(msgspec.structs.replace(DEMO_SPEC, seed=seed))

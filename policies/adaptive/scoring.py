@@ -89,9 +89,11 @@ Candidates, each with ttft = queue + compute + own wait + H (decode-side terms i
   slow steps where its decode overlaps their run: exposure + those steps / B(G).
 
 misses = harm + exposure + eviction + TTFT risk; cost = misses + `TTFT_WEIGHT` x ((ttft +
-`WORK_WEIGHT` x compute) / objective + pace), pace = the answer's decode step at R' + 1 streams
-on d over the ITL objective: where nothing is at risk, the faster and cheaper placement wins
-(GPU time spent is time the turns queued behind it wait), and the calmer decode worker. Against
+`WORK_WEIGHT` x compute) / objective + pace), pace = max(0, 1 - the answer's decode step at R'
++ 1 streams on d over the ITL objective): where nothing is at risk, the faster and cheaper
+placement wins (GPU time spent is time the turns queued behind it wait), and the decode worker
+the answer fills best (answers packed on a few workers keep the others free for prefills;
+`TurnTerms.pace`). Against
 the colocated reference r, a candidate c wins exactly when I > H + dQ + dC, with I = (harm +
 exposure + eviction)(r) - (the same)(c), the misses its separation avoids, and H + dQ + dC =
 (cost - harm - exposure - eviction)(c) - (the same)(r), what its transfer, queue, compute and

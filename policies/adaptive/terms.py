@@ -243,11 +243,16 @@ class TurnTerms:
         return ahead
 
     def pace(self, worker: WorkerView) -> float:
-        """The answer's decode step on `worker` beside its streams, over the ITL objective: the
-        calmer worker decodes faster (a tie would herd turns onto whichever looks faster)."""
+        """The headroom the answer's decode step on `worker`, beside its streams, leaves under
+        the ITL objective, as a share of it (0 once the step reaches it): the fullest worker
+        whose step still meets the objective wins a tie (best fit). Answers packed onto a few
+        workers leave the others' steps free of streams, so the slow prefills placed there
+        stall no one: prefill and decode workers form from the load, and re-form as its mix
+        shifts. Spreading answers to the calmest worker left a stream beside every prefill."""
         if self._own_gaps == 0 or not self._itl_ms > 0.0:
             return 0.0
-        return self._answer_step(worker) / self._itl_ms
+        headroom = 1.0 - self._answer_step(worker) / self._itl_ms
+        return headroom if headroom > 0.0 else 0.0
 
     def exposure(self, worker: WorkerView, hosting: bool = False) -> float:
         """Expected misses of this turn's answer decoded on `worker`: from its slow steps,

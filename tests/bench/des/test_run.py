@@ -136,6 +136,21 @@ def test_max_goodput_search_finds_a_passing_rate_with_a_failing_one_just_above()
     assert sorted(by_scale) == [run.rate_scale for run in simulation.summary.runs]
 
 
+@pytest.mark.parametrize("keep_all", [False, True])
+def test_a_search_keeps_records_of_its_final_bracket_unless_asked(keep_all: bool) -> None:
+    trace = generate_matrix(msgspec.structs.replace(SPEC, reuse=("none",)))
+    runs = plan_runs(["colocate"], template(workers=1))
+    simulation = run_simulation(
+        trace, runs, find_max_goodput=True, jobs=1, tolerance=0.2, keep_all_requests=keep_all
+    )
+    found = simulation.searches["colocate"]
+    assert len(simulation.summary.runs) == len(found.probes) > 2  # every probe's summary
+    recorded = {o.summary.rate_scale for o in simulation.outcomes if o.results}
+    probed = {p.rate_scale for p in found.probes}
+    assert recorded == (probed if keep_all else {found.best_scale, found.failing_scale})
+    assert len(simulation.results) == trace.num_turns * len(recorded)
+
+
 def test_find_max_goodput_needs_an_open_loop_trace() -> None:
     trace = generate_matrix(msgspec.structs.replace(SPEC, arrival=ArrivalSpec("concurrency")))
     with pytest.raises(ValueError, match="open-loop"):

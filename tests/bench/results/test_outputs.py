@@ -8,22 +8,29 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from bench.results.outputs import group_results, read_requests, write_run_outputs
+from bench.results.outputs import (
+    group_results,
+    read_requests,
+    requests_file,
+    write_requests,
+    write_run_outputs,
+)
 from bench.results.report import run_label
 from bench.results.summary import Objectives, RequestResult, Summary, read_summary, summarise
 
 PNG = b"\x89PNG\r\n\x1a\n"
-FIGURES = ("ttft_cdf.png", "itl_cdf.png", "slo_by_class.png", "decisions.png")
+FIGURES = ("ttft_cdf.png", "itl_cdf.png", "slo_by_class.png", "good_over_time.png", "decisions.png")
 
 
 def _results(label: str, count: int, *, routed: bool, start: float = 100.0) -> list[RequestResult]:
-    """`count` requests 0.25 s apart; every fourth rejected; TTFT grows with the index."""
+    """`count` requests 0.25 s apart; every fourth rejected; TTFT grows with the index; times
+    to the microsecond, as the records file keeps them."""
     out = []
     for i in range(count):
         sent = start + 0.25 * i
         rejected = i % 4 == 3
         first = sent + 0.0625 * (1 + i % 3)
-        chunks = [] if rejected else [first + 0.0078125 * k for k in range(8)]
+        chunks = [] if rejected else [round(first + 0.0078125 * k, 6) for k in range(8)]
         action = (
             ("reject" if rejected else ("handoff" if i % 2 else "colocate")) if routed else None
         )
@@ -81,7 +88,7 @@ def test_results_without_router_fields(tmp_path: Path) -> None:
     (tmp_path / "decisions.png").write_bytes(b"stale")
     write_run_outputs(tmp_path, _summary({("live", 1.0): results}), results, "client only")
     assert not (tmp_path / "decisions.png").exists()
-    for name in FIGURES[:3]:
+    for name in FIGURES[:4]:
         assert (tmp_path / name).read_bytes().startswith(PNG)
     md = (tmp_path / "report.md").read_text()
     assert "decisions.png" not in md
@@ -114,6 +121,29 @@ def test_many_runs_policies_by_rates(tmp_path: Path) -> None:
     # attainment is 75% at every rate (every fourth request rejected): never >= 90%
     assert "| colocate | - | 0.5x 75%, 1x 75%, 2x 75% |" in md
     assert "| threshold | - | 0.5x 75%, 1x 75%, 2x 0% |" in md
+
+
+@pytest.mark.parametrize(("limit", "name"), [(10**9, "requests.jsonl"), (100, "requests.jsonl.gz")])
+def test_records_are_compressed_past_the_limit(tmp_path: Path, limit: int, name: str) -> None:
+    results = _results("colocate", 24, routed=True)
+    other = "requests.jsonl.gz" if name == "requests.jsonl" else "requests.jsonl"
+    (tmp_path / other).write_bytes(b"stale")
+    written = write_requests(results, tmp_path / "requests.jsonl", compress_over_bytes=limit)
+    assert written == tmp_path / name == requests_file(tmp_path)
+    assert not (tmp_path / other).exists()
+    assert read_requests(written) == results
+
+
+def test_records_keep_times_to_the_microsecond(tmp_path: Path) -> None:
+    [result] = _results("colocate", 1, routed=True, start=1234.5678912345)
+    assert result.sent_at != round(result.sent_at, 6)
+    path = write_requests([result], tmp_path / "requests.jsonl")
+    [back] = read_requests(path)
+    assert back.sent_at == 1234.567891 and back.sent_at == pytest.approx(result.sent_at, abs=1e-6)
+    assert back.chunk_times == pytest.approx(result.chunk_times, abs=1e-6)
+    assert msgspec.structs.replace(back, sent_at=0.0, first_chunk_at=None, chunk_times=[],
+        done_at=None) == msgspec.structs.replace(result, sent_at=0.0, first_chunk_at=None,
+        chunk_times=[], done_at=None)  # fmt: skip
 
 
 def test_no_runs(tmp_path: Path) -> None:

@@ -14,7 +14,6 @@ from bench.traces.workloads import (
     ThinkSpec,
     WorkloadSpec,
     cells,
-    demo_trace,
     generate_matrix,
     read_spec,
 )
@@ -196,22 +195,3 @@ def test_read_spec_rejects_unknown_fields(tmp_path: Path) -> None:
     path.write_text("prompt_token = [64]\n")
     with pytest.raises(ValueError, match="prompt_token"):
         read_spec(path)
-
-
-def test_demo_trace() -> None:
-    trace = demo_trace()
-    assert (trace.name, trace.num_turns, len(trace.conversations)) == ("demo", 72, 36)
-    assert trace.duration_s == pytest.approx(38.32, abs=0.01)
-    assert _by_class(trace) == {
-        "p256-g64-none": 6,
-        "p4096-g64-none": 6,
-        "p256-g64-system-prefix": 6,
-        "p4096-g64-system-prefix": 6,
-        "p256-g64-multi-turn-t4": 24,
-        "p4096-g64-multi-turn-t4": 24,
-    }
-    assert demo_trace() == trace
-    for seed in range(10):
-        other = demo_trace(seed)
-        assert other.num_turns == 72
-        assert 30 <= other.duration_s <= 60

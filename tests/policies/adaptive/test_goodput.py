@@ -121,10 +121,20 @@ def test_slow_prefills_move_to_a_worker_without_streams() -> None:
     assert decision.worker == "m2"
     decision = adaptive().decide(turn(8000), view(w("m1", running=40), w("m2", running=40)))
     assert isinstance(decision, Colocate)  # both harm as much: no transfer is cheaper
-    # A short prompt's prefill stays within the ITL objective: it runs beside the streams.
+    # A short prompt's prefill stays within the ITL objective: it runs beside the streams,
+    # on the worker its answer fills best (answers packed keep the other free for prefills).
     decision = adaptive().decide(turn(500), view(w("m1", running=40), w("m2", running=39)))
     assert isinstance(decision, Colocate)
-    assert decision.worker == "m2"
+    assert decision.worker == "m1"
+
+
+def test_answers_pack_onto_the_fullest_worker_whose_step_meets_the_objective() -> None:
+    # A short turn whose prefill harms no one: it goes where its answer fills the most
+    # headroom under the ITL objective, not where it would decode fastest.
+    decision = adaptive().decide(turn(300), view(w("m1", running=30), w("m2", running=2),
+                                                 w("m3", running=10)))  # fmt: skip
+    assert isinstance(decision, Colocate)
+    assert decision.worker == "m1"
 
 
 def test_gpu_time_is_priced_a_short_queue_does_not_buy_a_recompute() -> None:

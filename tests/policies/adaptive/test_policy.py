@@ -189,7 +189,7 @@ CASES: list[tuple[str, Mapping[str, object], ClusterView, Turn, Decision]] = [
         Colocate("d2"),
     ),
     (
-        "new session lands on the least busy decode worker",
+        "new session's answer packs onto the fuller decode worker (its step meets the ITL)",
         {},
         view(
             w("p1", "prefill"),
@@ -198,7 +198,7 @@ CASES: list[tuple[str, Mapping[str, object], ClusterView, Turn, Decision]] = [
             links=LINKS,
         ),
         turn(500, 500),
-        Colocate("d2"),
+        Colocate("d1"),
     ),
     (
         "new session never migrates, even from a busy fleet",
