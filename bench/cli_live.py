@@ -307,7 +307,7 @@ def _demo_command(args: argparse.Namespace) -> int:
         raise SystemExit(f"{_SUB} demo: --rate-scale must be > 0")
     return _run(
         lambda stop: run_demo(
-            Path(args.out), args.rate_scale, not args.no_progress, stop, live=args.live
+            Path(args.out), args.rate_scale, not args.no_progress, stop, live=not args.simulated
         )
     )
 
@@ -439,8 +439,9 @@ def register_top(subparsers: Any) -> None:
         default=1.0,
         help="multiplies the demo trace's arrival rate (default 1: fixed placements break)",
     )
-    add("--live", action="store_true",
-        help="replay live against simulated workers and a router (needs more than two cores "
-             "at this load) instead of in the simulator")  # fmt: skip
+    add("--simulated", action="store_true",
+        help="run the three in the discrete-event simulator (under a minute) instead of live "
+             "against simulated workers and a router (about three and a half minutes on two "
+             "otherwise idle cores)")  # fmt: skip
     add("--no-progress", action="store_true")
     demo.set_defaults(run=_demo_command)

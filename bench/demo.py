@@ -9,12 +9,13 @@ candidates (`bench.hindsight`), each run on the same trace, the highest share of
 winning. Out come the side-by-side table, good requests over time per policy (in the terminal,
 and good_over_time.png) and the usual report.
 
-The runs are the discrete-event simulator's (`bench simulate`: the simulated workers' engine,
-the same policy objects, the live router's semantics), well under a minute on two cores. With
-`live`, the three are replayed live instead, each against a fresh simulated cluster and router
-(`bench compare`): the load that breaks fixed placements streams about 20 turns a second of
-answers hundreds of tokens long, which needs more than two cores for the simulated workers
-to keep real time (on two shared cores their lag, not the placement, decides the result).
+With `live` (what `make demo` runs) the three are replayed live, each against a fresh simulated
+cluster and router with embedded Redis (`bench compare`): about three and a half minutes on two
+cores that nothing else uses. The load that breaks fixed placements streams about 20 turns a
+second of answers hundreds of tokens long; on cores shared with other heavy work the simulated
+workers' lag, not the placement, decides the result. Without it, the runs are the
+discrete-event simulator's (`bench simulate`: the simulated workers' engine, the same policy
+objects, the live router's semantics), under a minute.
 """
 
 from __future__ import annotations
