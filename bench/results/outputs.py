@@ -48,7 +48,7 @@ COMPRESS_OVER_BYTES = 16 * 2**20
 _TIME_DIGITS = 6  # microseconds: far below any gap the reports resolve (ITL is in ms)
 
 
-def _rounded(result: RequestResult) -> RequestResult:
+def rounded_times(result: RequestResult) -> RequestResult:
     """`result` with its timestamps to the microsecond: the shortest float text of a rounded
     time is half as long as a full double's, and it compresses twice as well."""
 
@@ -78,7 +78,7 @@ def write_requests(
     sink: gzip.GzipFile | None = None
     try:
         for result in results:
-            encoder.encode_into(_rounded(result), buffer, -1)
+            encoder.encode_into(rounded_times(result), buffer, -1)
             buffer += b"\n"
             if sink is None and len(buffer) > compress_over_bytes:
                 sink = gzip.open(packed, "wb", compresslevel=6)
