@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable
 from typing import ClassVar
 
 from policies.adaptive import tuning
@@ -72,7 +71,7 @@ from policies.adaptive.ledgers.legs import LegLedger, StallLedger, forget_oldest
 from policies.adaptive.ledgers.streams import Leg, StreamLedger
 from policies.adaptive.ledgers.work import WorkLedger
 from policies.adaptive.params import AdaptiveParams as AdaptiveParams
-from policies.adaptive.scoring import Scorer
+from policies.adaptive.scoring import Floor, Hold, Scorer
 from policies.adaptive.shortlists import (
     LoadKey,
     decode_shortlist,
@@ -223,7 +222,11 @@ class AdaptivePolicy:
         reference = whole[0] if resident is not None else min(whole, key=key)
         # Held twins: the same placements once the streams their prefill would stall end.
         holds = [(w, scorer.hold(w)) for w in (resident, *screen) if w is not None]
-        candidates = whole + [scorer.whole(w, held) for w, held in holds if held is not None]
+        whole += [scorer.whole(w, held) for w, held in holds if held is not None]
+        # The split placements, each ranked first by its floor (`Scorer.handoff_floor`): only
+        # those whose floor could still win (or come second: the reason names the runner-up)
+        # are scored.
+        splits: list[_Split] = []
         mover = None
         if (
             source is not None
@@ -234,7 +237,7 @@ class AdaptivePolicy:
             mover = source
             for destination in others:
                 if destination.kv_usage < p.migrate_kv_usage:
-                    candidates.append(scorer.handoff(source, destination, "migrate"))
+                    splits.append((source, destination, "migrate", None))
         for prefill in prefills:
             # Else the answer (the session) leaves only to get away from a slow prefill.
             if prefill is mover or (prefill is source and not scorer.slow_prefill(prefill)):
@@ -242,14 +245,44 @@ class AdaptivePolicy:
             held = scorer.hold(prefill)
             for decode in decode_targets:
                 if decode is not prefill:
-                    candidates.append(scorer.handoff(prefill, decode))
+                    splits.append((prefill, decode, "handoff", None))
                     if held is not None:
-                        candidates.append(scorer.handoff(prefill, decode, held=held))
+                        splits.append((prefill, decode, "handoff", held))
+        floors = [scorer.handoff_floor(split[0], split[1], split[3]) for split in splits]
         if resident is not None:
-            key = _rank_key(turn, reference)
+            rank = _rank_key(turn, reference)
         else:  # a new session's turn may not stall the streams running where it prefills
-            key = _rank_key(turn, least_harm=min(c.harm for c in candidates))
-        best = min(candidates, key=key)
+            least = min(c.harm for c in whole)
+            for floor in floors:
+                least = floor[1] if floor[1] < least else least
+            rank = _rank_key(turn, least_harm=least)
+        # (key, the order exhaustive scoring lists it in: the first of equals wins)
+        ref_entry: tuple[_Key, int] = (rank(reference), 0)
+        rival: tuple[_Key, int] | None = None
+        rival_candidate: Candidate | None = None
+        for order, candidate in enumerate(whole):
+            if candidate is not reference:
+                entry = (rank(candidate), order)
+                if rival is None or entry < rival:
+                    rival, rival_candidate = entry, candidate
+            else:
+                ref_entry = (ref_entry[0], order)
+        ranked = sorted(
+            (rank.floor(floors[order], split[2], (split[0].worker_id, split[1].worker_id)), order)
+            for order, split in enumerate(splits)
+        )
+        first = len(whole)
+        for bound, order in ranked:
+            if rival is not None and bound > rival[0]:
+                break  # it, and every one ranked after it, loses to the rival
+            prefill, decode, action, held = splits[order]
+            candidate = scorer.handoff(prefill, decode, action, held)
+            entry = (rank(candidate), first + order)
+            if rival is None or entry < rival:
+                rival, rival_candidate = entry, candidate
+        best = reference
+        if rival is not None and rival_candidate is not None and rival < ref_entry:
+            best = rival_candidate
         predicted = predicted_terms(best, reference)
         objective = turn.objectives.ttft_ms
         self._admission.note(turn.session_id, turn.request_id)
@@ -311,7 +344,7 @@ class AdaptivePolicy:
             # still due when it was: behind the turns due earlier, ahead of later ones
             reason = f"best effort, {verdict}{ms_text(objective)}"
             return decision_of(best, predicted, reason, due)
-        reason = explain(best, reference, candidates, key, objective)
+        reason = explain(best, reference, rival_candidate, objective)
         return decision_of(best, predicted, reason, due)
 
     def _passing_ttft(
@@ -356,9 +389,12 @@ class AdaptivePolicy:
             self.estimates.observe_fresh(outcome)
 
 
-def _rank_key(
-    turn: Turn, reference: Candidate | None = None, least_harm: float = math.inf
-) -> Callable[[Candidate], tuple[bool, float, int, tuple[str, ...]]]:
+_Key = tuple[bool, float, int, tuple[str, ...]]
+# a split placement: prefill worker, decode worker, action, its hold
+_Split = tuple[WorkerView, WorkerView, Action, Hold | None]
+
+
+class _Rank:
     """Meets the turn's own objectives first (its TTFT, and its ITL: fewer slow gaps expected
     where it decodes than its budget, `Candidate.exposure` < 1) at a harm within one miss of
     the colocated `reference`'s, or without one (a new session) of `least_harm` (meeting them
@@ -366,20 +402,44 @@ def _rank_key(
     lower cost; a candidate other than `reference` must win by `SEPARATION_MARGIN` (what the
     model leaves out: a turn moved off its resident worker moves load and cache with it, its
     gain is an estimate)."""
-    objective = turn.objectives.ttft_ms
-    harmful = (least_harm if reference is None else reference.harm) + 1.0
-    separation = tuning.SEPARATION_MARGIN
 
-    def key(candidate: Candidate) -> tuple[bool, float, int, tuple[str, ...]]:
-        margin = 0.0 if reference is None or candidate is reference else separation
+    __slots__ = ("_harmful", "_objective", "_reference")
+
+    def __init__(self, turn: Turn, reference: Candidate | None, least_harm: float) -> None:
+        self._objective = turn.objectives.ttft_ms
+        self._harmful = (least_harm if reference is None else reference.harm) + 1.0
+        self._reference = reference
+
+    def __call__(self, candidate: Candidate) -> _Key:
+        reference = self._reference
+        margin = 0.0 if reference is None or candidate is reference else tuning.SEPARATION_MARGIN
         return (
-            candidate.ttft_ms > objective or candidate.exposure >= 1.0 or candidate.harm >= harmful,
+            candidate.ttft_ms > self._objective
+            or candidate.exposure >= 1.0
+            or candidate.harm >= self._harmful,
             candidate.cost + margin,
             _TIE_ORDER[candidate.action],
             candidate.workers,
         )
 
-    return key
+    def floor(self, floor: Floor, action: Action, workers: tuple[str, ...]) -> _Key:
+        """A key no later than the key of the split candidate (never the reference) whose
+        `Scorer.handoff_floor` is `floor`."""
+        ttft, harm, exposure, cost = floor
+        margin = 0.0 if self._reference is None else tuning.SEPARATION_MARGIN
+        return (
+            ttft > self._objective or exposure >= 1.0 or harm >= self._harmful,
+            cost + margin,
+            _TIE_ORDER[action],
+            workers,
+        )
+
+
+def _rank_key(
+    turn: Turn, reference: Candidate | None = None, least_harm: float = math.inf
+) -> _Rank:
+    """The key candidates rank by (`_Rank`)."""
+    return _Rank(turn, reference, least_harm)
 
 
 def _ends(chosen: Candidate, now_s: float) -> tuple[Leg, ...]:

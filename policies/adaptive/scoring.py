@@ -104,7 +104,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from policies.adaptive import tuning
-from policies.adaptive.candidates import Candidate, PrefillTerms
+from policies.adaptive.candidates import Candidate, PrefillTerms, costs
 from policies.adaptive.ledgers.cache import CacheLedger, Fill
 from policies.adaptive.ledgers.legs import LegLedger
 from policies.adaptive.ledgers.legs import StallLedger as StallLedger
@@ -117,6 +117,7 @@ from policies.eligibility import DECODE_ROLES, can_serve
 from policies.types import Action, ClusterView, LinkView, Turn, WorkerView
 
 Hold = tuple[float, PrefillTerms]  # a hold's ms, and the held prefill's terms
+Floor = tuple[float, float, float, float]  # `Scorer.handoff_floor`: TTFT, harm, exposure, cost
 
 
 class Scorer(TurnTerms):
@@ -263,6 +264,27 @@ class Scorer(TurnTerms):
             fills=fills,
             eviction=self.eviction(fills),
         )
+
+    def handoff_floor(
+        self, prefill: WorkerView, decode: WorkerView, held: Hold | None = None
+    ) -> Floor:
+        """(TTFT, harm, exposure, cost) no larger than `handoff(prefill, decode, ..., held)`'s,
+        from the terms each worker's candidates share: its transfer, the wait for the decode
+        worker, the eviction and the held prefills' exposure at 0, the rest summed in the
+        order `handoff` and `costs` sum them (so no larger to the last bit). The harm is the
+        candidate's own. Ranked by this, a candidate whose floor already loses to one scored
+        need not be built (`policies.adaptive.policy`)."""
+        local = self._prefill_on(prefill)
+        queue = self.queue_ms(prefill)
+        if held is not None:
+            hold, local = held
+            queue = hold if hold > queue else queue
+        receiver = self._decode_on(decode)
+        compute = local.compute_ms + receiver.first_step_ms
+        ttft = queue + compute + local.own_wait_ms
+        exposure = receiver.exposure
+        cost = costs(local.harm, exposure, 0.0, ttft, compute, receiver.pace, self._objective_ms)
+        return ttft, local.harm, exposure, cost[2]
 
     def refill_from(self, workers: Sequence[WorkerView]) -> None:
         """Price an evicted context prefilled again on `workers` (before any candidate)."""
