@@ -58,6 +58,8 @@ class WorkerView(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # The engine admits queued requests by their `priority` (vLLM's --scheduling-policy
     # priority), so a decision's `due_ms` orders its queue.
     priority_scheduling: bool = False
+    # Its NIC's rate, bytes per second (0: not known): see `ClusterView.links`.
+    nic_bps: float = 0.0
 
     @property
     def accepts_new_work(self) -> bool:
@@ -91,7 +93,14 @@ class Residency(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class ClusterView(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A snapshot of the fleet for one decision."""
+    """A snapshot of the fleet for one decision.
+
+    `links` lists the links that carry or have reserved bytes, or whose capacity is their own;
+    a link it leaves out between two workers of `workers` that both know their NIC rate, from
+    a prefill-capable one to another decode-capable one, is idle at the lower of the two
+    rates (`link`). A fleet of N workers has up to N x (N - 1) links: listing only those keeps
+    the view as small as the transfers under way.
+    """
 
     now_s: float
     workers: tuple[WorkerView, ...]
@@ -109,7 +118,20 @@ class ClusterView(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         for link in self.links:
             if link.src == src and link.dst == dst:
                 return link
-        return None
+        rate = idle_link_bps(self.worker(src), self.worker(dst))
+        return LinkView(src=src, dst=dst, capacity_bps=rate) if rate > 0.0 else None
+
+
+def idle_link_bps(src: WorkerView | None, dst: WorkerView | None) -> float:
+    """The capacity of the link from `src` to `dst` that a `ClusterView` leaves out of its
+    `links` (idle: nothing in flight or reserved), 0 where there is no such link: from a
+    prefill-capable worker to another decode-capable one, the lower of their NIC rates."""
+    if src is None or dst is None or src.worker_id == dst.worker_id:
+        return 0.0
+    if src.role == "decode" or dst.role == "prefill":
+        return 0.0
+    rate = src.nic_bps if src.nic_bps < dst.nic_bps else dst.nic_bps
+    return rate if rate > 0.0 else 0.0
 
 
 class Prediction(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

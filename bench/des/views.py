@@ -20,6 +20,7 @@ class ViewBuilder:
         self._roles = config.roles
         self._interval = config.scrape_interval_s
         self._by_priority = config.scheduling_policy == "priority"
+        self._nic_bps = config.nic_gbps * 1e9 / 8  # the idle links' rate (`LinkLedger`)
         self._cluster = cluster
         cluster.on_first_token = self.begin
         self._ledger = ledger
@@ -91,6 +92,7 @@ class ViewBuilder:
                 started_since_scrape=started[i],
                 scraped_age_s=age,
                 priority_scheduling=self._by_priority,
+                nic_bps=self._nic_bps,
             )
             for i, (worker_id, (running, waiting, kv_usage)) in enumerate(
                 zip(self._ids, self._loads, strict=True)

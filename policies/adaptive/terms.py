@@ -28,7 +28,7 @@ from policies.adaptive.ledgers.work import WorkLedger
 from policies.costmodel.calibration import queue_ahead
 from policies.costmodel.estimates import Estimates, PrefillLeg
 from policies.eligibility import PREFILL_ROLES, can_serve
-from policies.types import ClusterView, LinkView, Turn, WorkerView
+from policies.types import ClusterView, LinkView, Turn, WorkerView, idle_link_bps
 
 
 class TurnTerms:
@@ -198,12 +198,19 @@ class TurnTerms:
         it sends them). The rate is the link's capacity (else its observed rate, else
         `default_bps`), capped by the rate this policy measured on it, and a transfer gets at
         least `LINK_FLOOR_FRACTION` of it; without the link in the view, the measured or
-        default rate alone."""
+        default rate alone, or where its NICs give it one, that rate as of an idle link
+        (`policies.types.ClusterView`)."""
         if nbytes <= 0:
             return 0.0
         measured = self._estimates.link_bps(src, dst)
         link = self._links.get((src, dst))
         if link is None:
+            # Left out of the view's links: idle at its NICs' rate, where both are known.
+            rate = idle_link_bps(self._index.get(src), self._index.get(dst))
+            if rate > 0.0:
+                if measured is not None and measured < rate:
+                    rate = measured
+                return (0.0 + nbytes / rate) * 1000.0
             return nbytes * 1000.0 / (measured if measured is not None else self._default_bps)
         rate = link.capacity_bps if link.capacity_bps > 0.0 else link.observed_bps
         rate = rate if rate > 0.0 else self._default_bps
