@@ -147,7 +147,9 @@ class AdaptivePolicy:
         full_keys: list[LoadKey] = []  # decode-capable, the others
         usages: list[tuple[float, str]] = []  # decode-capable: KV usage, id
         prefill_keys: list[LoadKey] = []
+        prefill_streams: list[tuple[int, str]] = []
         kv_limit = p.migrate_kv_usage
+        max_seqs = p.max_num_seqs
         for worker in view.workers:
             wid = worker.worker_id
             index[wid] = worker
@@ -160,6 +162,12 @@ class AdaptivePolicy:
                     usages.append((usage, wid))
                 if role in PREFILL_ROLES:
                     prefill_keys.append(load)
+                    # its decode streams (`TurnTerms.streams`)
+                    running = worker.running if worker.running > 0 else 0
+                    placed = worker.inflight - (worker.waiting if worker.waiting > 0 else 0)
+                    streams = placed if placed > running else running
+                    capped = 0 < max_seqs < streams
+                    prefill_streams.append((max_seqs if capped else streams, wid))
         self._work.settle_pending(index, now)
         if not roomy_keys and not full_keys:
             return reject_no_worker("decode")
@@ -206,6 +214,7 @@ class AdaptivePolicy:
             cache=self._cache,
             index=index,
             host_fresh_s=0.0 if small else tuning.HOST_RATE_FRESH_S,
+            prefill_streams=prefill_streams,
         )
         key = _rank_key(turn)
         others = decode_shortlist(screen, p.shortlist, scorer)

@@ -150,6 +150,7 @@ class Scorer(TurnTerms):
         index: Mapping[str, WorkerView] | None = None,
         host_fresh_s: float = 0.0,
         refill: Sequence[WorkerView] | None = None,
+        prefill_streams: list[tuple[int, str]] | None = None,
     ) -> None:
         super().__init__(
             turn,
@@ -166,6 +167,7 @@ class Scorer(TurnTerms):
             continuing=continuing,
             index=index,
             host_fresh_s=host_fresh_s,
+            prefill_streams=prefill_streams,
         )
         self._cache = cache
         self._refilled = refill

@@ -37,7 +37,9 @@ class TurnTerms:
     `links` indexes the view's links by (src, dst); `stalls` holds the workers' recent steps
     past the ITL objective; `index` the view's workers by id (None: built here);
     `host_fresh_s`: how old the rate of the workers hosting slow prefills may be (0: exact,
-    `StallLedger.host_rate`). `policies.adaptive.scoring.Scorer` builds it, with the defaults.
+    `StallLedger.host_rate`); `prefill_streams`: (`streams`, id) of every prefill-capable
+    worker, where the caller counted them in its own pass over the view (None: here).
+    `policies.adaptive.scoring.Scorer` builds it, with the defaults.
     """
 
     __slots__ = (
@@ -65,6 +67,7 @@ class TurnTerms:
         "_objective_ms",
         "_own_budget",
         "_own_gaps",
+        "_prefill_streams",
         "_prefills",
         "_prefix",
         "_prompt",
@@ -98,6 +101,7 @@ class TurnTerms:
         continuing: float,
         index: Mapping[str, WorkerView] | None = None,
         host_fresh_s: float = 0.0,
+        prefill_streams: list[tuple[int, str]] | None = None,
     ) -> None:
         prompt = turn.prompt_tokens if turn.prompt_tokens > 0 else 0
         uncached = min(max(turn.uncached_tokens, 0), prompt)
@@ -116,8 +120,10 @@ class TurnTerms:
         self._index = index if index is not None else {w.worker_id: w for w in view.workers}
         self._host_fresh_s = host_fresh_s
         self._continuing = continuing
-        # The three prefill-capable workers with the fewest streams (`_avoided`), once.
+        # The three prefill-capable workers with the fewest streams (`_avoided`), once, of
+        # `prefill_streams` where given.
         self._calmest: list[tuple[int, str]] | None = None
+        self._prefill_streams = prefill_streams
         self._objective_ms = turn.objectives.ttft_ms
         self._kv_bytes = view.kv_bytes_per_token
         self._estimates = estimates
@@ -300,11 +306,11 @@ class TurnTerms:
             return False
         calmest = self._calmest
         if calmest is None:
-            calmest = self._calmest = heapq.nsmallest(
-                3,
-                ((self.streams(w), w.worker_id) for w in self._view.workers
-                 if can_serve(w, PREFILL_ROLES)),
-            )  # fmt: skip
+            counted = self._prefill_streams
+            if counted is None:
+                counted = [(self.streams(w), w.worker_id) for w in self._view.workers
+                           if can_serve(w, PREFILL_ROLES)]  # fmt: skip
+            calmest = self._calmest = heapq.nsmallest(3, counted)
         others = [streams for streams, wid in calmest if wid != worker.worker_id]
         if len(others) < 2:
             return False
