@@ -95,6 +95,28 @@ from policies.types import (
 _TIE_ORDER: dict[Action, int] = {"colocate": 0, "handoff": 1, "migrate": 2, "recompute": 3}
 
 
+class Search:
+    """What `AdaptivePolicy.search` found for one turn: the `best` candidate, the colocated
+    `reference`, the best ranked of the others (`rival`), the `scorer` that priced them (it
+    prices any other placement of the turn on the same state) and the view's workers by id."""
+
+    __slots__ = ("best", "index", "reference", "rival", "scorer")
+
+    def __init__(
+        self,
+        best: Candidate,
+        reference: Candidate,
+        rival: Candidate | None,
+        scorer: Scorer,
+        index: dict[str, WorkerView],
+    ) -> None:
+        self.best = best
+        self.reference = reference
+        self.rival = rival
+        self.scorer = scorer
+        self.index = index
+
+
 class AdaptivePolicy:
     """Colocate, hand off, migrate, recompute or reject, whichever costs least (see module)."""
 
@@ -136,6 +158,80 @@ class AdaptivePolicy:
         self._prefixes: dict[str, tuple[_Prefix, ...]] = {}
 
     def decide(self, turn: Turn, view: ClusterView) -> Decision:
+        found = self.search(turn, view)
+        if found is None:
+            return reject_no_worker("decode")
+        best, reference, rival = found.best, found.reference, found.rival
+        p = self.params
+        index = found.index
+        residency = view.residency
+        predicted = predicted_terms(best, reference)
+        objective = turn.objectives.ttft_ms
+        self._admission.note(turn.session_id, turn.request_id)
+        limit = self._admission.limit_ms(objective)
+        new_tokens = turn.prompt_tokens - best.leg.cached
+        due = self._deadlines.due_ms(objective, residency is None, new_tokens)
+        rejected = (
+            p.on_infeasible == "reject"
+            and self._passing_ttft(best, view, index, due, turn.request_id) > limit
+        )
+        # The placed prefill's slow steps expose the answers decoding beside it later on.
+        self._stalls.place(
+            turn.request_id, None if rejected else best.workers[0], view.now_s, best.slow_steps
+        )
+        # Its prefill keeps that worker busy: the turns placed there next wait behind it.
+        hold_s = best.hold_ms / 1000.0
+        self._work.place(
+            turn.request_id,
+            None if rejected else best.workers[0],
+            view.now_s + hold_s,
+            best.work_ms,
+            self._weigh(best.prefill_ms) if not rejected else 1.0,
+            view.now_s + due / 1000.0,
+        )
+        # Its decode leg takes a slot and KV where it goes, unseen until its prefill ends.
+        split = not rejected and len(best.workers) > 1
+        self._coming.place(
+            turn.request_id,
+            best.workers[1] if split else None,
+            view.now_s + best.sent_ms / 1000.0,
+            best.leg_tokens,
+        )
+        # Until when it occupies its workers: a held prefill waits for them to be done.
+        legs = () if rejected else _ends(best, view.now_s)
+        run = None  # when a held prefill runs, and its slow steps
+        if hold_s > 0.0 and not rejected:
+            release = view.now_s + hold_s
+            run = (release, release + best.prefill_ms / 1000.0, best.slow_steps)
+        self._done.place(turn.request_id, legs, view.now_s, run)
+        self._cache.place(turn.request_id, () if rejected else best.fills, view.now_s)
+        if residency is not None and not rejected:
+            # Its context stayed cached (or not) until its prefill began, after its queue.
+            self._cache.returned(turn.session_id, view.now_s + best.queue_ms / 1000.0)
+        self._fresh.pop(turn.request_id, None)
+        self._legs.pop(turn.request_id, None)
+        if not rejected:
+            if best.action in ("handoff", "migrate"):
+                _remember(self._prefixes, turn, best.workers[0])
+            self._legs[turn.request_id] = (best.action, best.leg)
+            forget_oldest(self._legs)
+        if residency is None and not rejected and best.action == "colocate":
+            self._fresh[turn.request_id] = None
+            forget_oldest(self._fresh)
+        verdict = f"best {best.describe()} predicts TTFT {ms_text(best.ttft_ms)} > "
+        if rejected:
+            reason = f"reject: {verdict}{ms_text(limit)}"
+            return Reject(retry_after_s=p.retry_after_s, predicted=predicted, reason=reason)
+        if best.ttft_ms > objective:
+            # still due when it was: behind the turns due earlier, ahead of later ones
+            reason = f"best effort, {verdict}{ms_text(objective)}"
+            return decision_of(best, predicted, reason, due)
+        reason = explain(best, reference, rival, objective)
+        return decision_of(best, predicted, reason, due)
+
+    def search(self, turn: Turn, view: ClusterView) -> Search | None:
+        """The best candidate for `turn` on `view`, the reference and the rival the reason
+        names (None: no worker can decode it); it places nothing."""
         p = self.params
         now = view.now_s
         if now > self._now_s:
@@ -170,7 +266,7 @@ class AdaptivePolicy:
                     prefill_streams.append((max_seqs if capped else streams, wid))
         self._work.settle_pending(index, now)
         if not roomy_keys and not full_keys:
-            return reject_no_worker("decode")
+            return None
         residency = view.residency
         source = index.get(residency.worker_id) if residency is not None else None
         resident = source if source is not None and can_serve(source, DECODE_ROLES) else None
@@ -292,69 +388,7 @@ class AdaptivePolicy:
         best = reference
         if rival is not None and rival_candidate is not None and rival < ref_entry:
             best = rival_candidate
-        predicted = predicted_terms(best, reference)
-        objective = turn.objectives.ttft_ms
-        self._admission.note(turn.session_id, turn.request_id)
-        limit = self._admission.limit_ms(objective)
-        new_tokens = turn.prompt_tokens - best.leg.cached
-        due = self._deadlines.due_ms(objective, residency is None, new_tokens)
-        rejected = (
-            p.on_infeasible == "reject"
-            and self._passing_ttft(best, view, index, due, turn.request_id) > limit
-        )
-        # The placed prefill's slow steps expose the answers decoding beside it later on.
-        self._stalls.place(
-            turn.request_id, None if rejected else best.workers[0], view.now_s, best.slow_steps
-        )
-        # Its prefill keeps that worker busy: the turns placed there next wait behind it.
-        hold_s = best.hold_ms / 1000.0
-        self._work.place(
-            turn.request_id,
-            None if rejected else best.workers[0],
-            view.now_s + hold_s,
-            best.work_ms,
-            self._weigh(best.prefill_ms) if not rejected else 1.0,
-            view.now_s + due / 1000.0,
-        )
-        # Its decode leg takes a slot and KV where it goes, unseen until its prefill ends.
-        split = not rejected and len(best.workers) > 1
-        self._coming.place(
-            turn.request_id,
-            best.workers[1] if split else None,
-            view.now_s + best.sent_ms / 1000.0,
-            best.leg_tokens,
-        )
-        # Until when it occupies its workers: a held prefill waits for them to be done.
-        legs = () if rejected else _ends(best, view.now_s)
-        run = None  # when a held prefill runs, and its slow steps
-        if hold_s > 0.0 and not rejected:
-            release = view.now_s + hold_s
-            run = (release, release + best.prefill_ms / 1000.0, best.slow_steps)
-        self._done.place(turn.request_id, legs, view.now_s, run)
-        self._cache.place(turn.request_id, () if rejected else best.fills, view.now_s)
-        if residency is not None and not rejected:
-            # Its context stayed cached (or not) until its prefill began, after its queue.
-            self._cache.returned(turn.session_id, view.now_s + best.queue_ms / 1000.0)
-        self._fresh.pop(turn.request_id, None)
-        self._legs.pop(turn.request_id, None)
-        if not rejected:
-            if best.action in ("handoff", "migrate"):
-                _remember(self._prefixes, turn, best.workers[0])
-            self._legs[turn.request_id] = (best.action, best.leg)
-            forget_oldest(self._legs)
-        if residency is None and not rejected and best.action == "colocate":
-            self._fresh[turn.request_id] = None
-            forget_oldest(self._fresh)
-        verdict = f"best {best.describe()} predicts TTFT {ms_text(best.ttft_ms)} > "
-        if rejected:
-            reason = f"reject: {verdict}{ms_text(limit)}"
-            return Reject(retry_after_s=p.retry_after_s, predicted=predicted, reason=reason)
-        if best.ttft_ms > objective:
-            # still due when it was: behind the turns due earlier, ahead of later ones
-            reason = f"best effort, {verdict}{ms_text(objective)}"
-            return decision_of(best, predicted, reason, due)
-        reason = explain(best, reference, rival_candidate, objective)
-        return decision_of(best, predicted, reason, due)
+        return Search(best, reference, rival_candidate, scorer, index)
 
     def _passing_ttft(
         self,
