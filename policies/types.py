@@ -55,6 +55,10 @@ class WorkerView(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     draining: bool = False
     node: str = ""
     scraped_age_s: float = 0.0
+    # When it was scraped, on the clock of the view's `now_s`; where set, a policy reads its
+    # age as now_s minus it (`scraped_at`) and `scraped_age_s` is the age when this view of
+    # the worker was built: a view built per scrape and shared between turns stays true.
+    scraped_at_s: float | None = None
     # The engine admits queued requests by their `priority` (vLLM's --scheduling-policy
     # priority), so a decision's `due_ms` orders its queue.
     priority_scheduling: bool = False
@@ -64,6 +68,11 @@ class WorkerView(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     @property
     def accepts_new_work(self) -> bool:
         return self.healthy and not self.draining
+
+    def scraped_at(self, now_s: float) -> float:
+        """When the worker was scraped, on the clock of `now_s` (the view's)."""
+        at = self.scraped_at_s
+        return now_s - self.scraped_age_s if at is None else at
 
 
 class LinkView(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

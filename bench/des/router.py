@@ -164,7 +164,7 @@ class SimRouter:
     def _single(self, flight: Flight, worker: int, now: float) -> None:
         flight.served_by = worker
         flight.events.prefill_start = now
-        self.views.inflight[worker] += 1
+        self.views.sent(worker)
         leg = Leg(flight, worker, self._single_done, flight.req.keep_answer)
         self._loop.at(now + self._overhead, self._send_single, leg)
 
@@ -204,7 +204,7 @@ class SimRouter:
     def _handoff(self, flight: Flight, prefill: int, decode: int, now: float) -> None:
         flight.decode = decode
         flight.events.prefill_start = now
-        self.views.inflight[prefill] += 1
+        self.views.sent(prefill)
         keep = self._prefill_first and flight.req.keep_answer
         leg = Leg(flight, prefill, self._prefill_done, keep)
         self._loop.at(now + self._overhead, self._send_prefill, leg)
@@ -228,7 +228,7 @@ class SimRouter:
         events.transfer_start = now
         decode = flight.decode
         flight.served_by = decode
-        self.views.inflight[decode] += 1
+        self.views.sent(decode)
         decode_leg = Leg(flight, decode, self._decode_done, flight.req.keep_answer)
         if stats.held_blocks:
             self.views.begin(decode_leg)  # it brings its KV: it queues no prefill there

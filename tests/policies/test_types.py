@@ -56,3 +56,14 @@ def test_a_link_left_out_is_priced_as_the_idle_link_listed(nbytes: int) -> None:
                         horizon_s=1.0, default_bps=1e9)  # fmt: skip
         times.append(scorer.transfer_ms("a", "b", nbytes, start_ms=5.0))
     assert times[0] == times[1] == nbytes / 25e9 * 1000.0
+
+
+@pytest.mark.parametrize(
+    ("scraped_at_s", "age_s", "expected"), [(None, 0.25, 9.75), (9.5, 0.0, 9.5), (9.5, 3.0, 9.5)]
+)
+def test_a_worker_scrape_time_is_its_own_or_now_less_its_age(
+    scraped_at_s: float | None, age_s: float, expected: float
+) -> None:
+    worker = WorkerView(worker_id="a", role="mixed", healthy=True, scraped_age_s=age_s,
+                        scraped_at_s=scraped_at_s)  # fmt: skip
+    assert worker.scraped_at(10.0) == expected

@@ -202,7 +202,7 @@ class WorkLedger:
                 continue
             view = workers.get(worker)
             if view is not None:
-                scraped_s = now_s - view.scraped_age_s
+                scraped_s = view.scraped_at(now_s)
                 if math.isfinite(scraped_s):
                     scrape = (scraped_s, view.waiting)
                     if settled.get(worker) != scrape:
@@ -236,7 +236,7 @@ class WorkLedger:
         depth = queue_ahead(worker)
         if depth <= 0:
             return 0.0
-        scraped_s = now_s - worker.scraped_age_s
+        scraped_s = worker.scraped_at(now_s)
         own, weight = self.queued(worker.worker_id, scraped_s, worker.waiting, exclude)
         if own >= depth:  # the scrape is older than some of them finished
             return weight * depth / own
