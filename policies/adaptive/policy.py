@@ -71,7 +71,8 @@ from policies.adaptive.ledgers.legs import LegLedger, StallLedger, forget_oldest
 from policies.adaptive.ledgers.streams import Leg, StreamLedger
 from policies.adaptive.ledgers.work import WorkLedger
 from policies.adaptive.params import AdaptiveParams as AdaptiveParams
-from policies.adaptive.scoring import Floor, Hold, Scorer
+from policies.adaptive.ranking import Key, Search, rank_key
+from policies.adaptive.scoring import Hold, Scorer
 from policies.adaptive.shortlists import (
     LoadKey,
     decode_shortlist,
@@ -91,30 +92,6 @@ from policies.types import (
     Turn,
     WorkerView,
 )
-
-_TIE_ORDER: dict[Action, int] = {"colocate": 0, "handoff": 1, "migrate": 2, "recompute": 3}
-
-
-class Search:
-    """What `AdaptivePolicy.search` found for one turn: the `best` candidate, the colocated
-    `reference`, the best ranked of the others (`rival`), the `scorer` that priced them (it
-    prices any other placement of the turn on the same state) and the view's workers by id."""
-
-    __slots__ = ("best", "index", "reference", "rival", "scorer")
-
-    def __init__(
-        self,
-        best: Candidate,
-        reference: Candidate,
-        rival: Candidate | None,
-        scorer: Scorer,
-        index: dict[str, WorkerView],
-    ) -> None:
-        self.best = best
-        self.reference = reference
-        self.rival = rival
-        self.scorer = scorer
-        self.index = index
 
 
 class AdaptivePolicy:
@@ -312,7 +289,7 @@ class AdaptivePolicy:
             host_fresh_s=0.0 if small else tuning.HOST_RATE_FRESH_S,
             prefill_streams=prefill_streams,
         )
-        key = _rank_key(turn)
+        key = rank_key(turn)
         others = decode_shortlist(screen, p.shortlist, scorer)
         decode_targets = [resident, *others] if resident is not None else others
         prefills = prefill_shortlist(
@@ -355,15 +332,15 @@ class AdaptivePolicy:
                         splits.append((prefill, decode, "handoff", held))
         floors = [scorer.handoff_floor(split[0], split[1], split[3]) for split in splits]
         if resident is not None:
-            rank = _rank_key(turn, reference)
+            rank = rank_key(turn, reference)
         else:  # a new session's turn may not stall the streams running where it prefills
             least = min(c.harm for c in whole)
             for floor in floors:
                 least = floor[1] if floor[1] < least else least
-            rank = _rank_key(turn, least_harm=least)
+            rank = rank_key(turn, least_harm=least)
         # (key, the order exhaustive scoring lists it in: the first of equals wins)
-        ref_entry: tuple[_Key, int] = (rank(reference), 0)
-        rival: tuple[_Key, int] | None = None
+        ref_entry: tuple[Key, int] = (rank(reference), 0)
+        rival: tuple[Key, int] | None = None
         rival_candidate: Candidate | None = None
         for order, candidate in enumerate(whole):
             if candidate is not reference:
@@ -432,57 +409,8 @@ class AdaptivePolicy:
             self.estimates.observe_fresh(outcome)
 
 
-_Key = tuple[bool, float, int, tuple[str, ...]]
 # a split placement: prefill worker, decode worker, action, its hold
 _Split = tuple[WorkerView, WorkerView, Action, Hold | None]
-
-
-class _Rank:
-    """Meets the turn's own objectives first (its TTFT, and its ITL: fewer slow gaps expected
-    where it decodes than its budget, `Candidate.exposure` < 1) at a harm within one miss of
-    the colocated `reference`'s, or without one (a new session) of `least_harm` (meeting them
-    saves one turn: costing the streams beside its prefill more saves nothing), then the
-    lower cost; a candidate other than `reference` must win by `SEPARATION_MARGIN` (what the
-    model leaves out: a turn moved off its resident worker moves load and cache with it, its
-    gain is an estimate)."""
-
-    __slots__ = ("_harmful", "_objective", "_reference")
-
-    def __init__(self, turn: Turn, reference: Candidate | None, least_harm: float) -> None:
-        self._objective = turn.objectives.ttft_ms
-        self._harmful = (least_harm if reference is None else reference.harm) + 1.0
-        self._reference = reference
-
-    def __call__(self, candidate: Candidate) -> _Key:
-        reference = self._reference
-        margin = 0.0 if reference is None or candidate is reference else tuning.SEPARATION_MARGIN
-        return (
-            candidate.ttft_ms > self._objective
-            or candidate.exposure >= 1.0
-            or candidate.harm >= self._harmful,
-            candidate.cost + margin,
-            _TIE_ORDER[candidate.action],
-            candidate.workers,
-        )
-
-    def floor(self, floor: Floor, action: Action, workers: tuple[str, ...]) -> _Key:
-        """A key no later than the key of the split candidate (never the reference) whose
-        `Scorer.handoff_floor` is `floor`."""
-        ttft, harm, exposure, cost = floor
-        margin = 0.0 if self._reference is None else tuning.SEPARATION_MARGIN
-        return (
-            ttft > self._objective or exposure >= 1.0 or harm >= self._harmful,
-            cost + margin,
-            _TIE_ORDER[action],
-            workers,
-        )
-
-
-def _rank_key(
-    turn: Turn, reference: Candidate | None = None, least_harm: float = math.inf
-) -> _Rank:
-    """The key candidates rank by (`_Rank`)."""
-    return _Rank(turn, reference, least_harm)
 
 
 def _ends(chosen: Candidate, now_s: float) -> tuple[Leg, ...]:

@@ -25,7 +25,8 @@ import pytest
 
 from policies.adaptive import tuning
 from policies.adaptive.candidates import Candidate
-from policies.adaptive.policy import AdaptivePolicy, Search
+from policies.adaptive.policy import AdaptivePolicy
+from policies.adaptive.ranking import Search
 from policies.types import (
     ClusterView,
     Decision,
