@@ -326,9 +326,15 @@ class Scorer(TurnTerms):
             for worker in workers:
                 if not can_serve(worker, DECODE_ROLES):
                     continue
-                compute, _, _, _, slow = self._local_prefill(worker, prompt, 0)
+                if prompt == self._prompt and self._cached_at(worker.worker_id) == 0:
+                    # the turn's own prefill there: the same terms, shared with its candidates
+                    terms = self._prefill_on(worker)
+                    compute, harm = terms.compute_ms, terms.harm
+                else:
+                    compute, _, _, _, slow = self._local_prefill(worker, prompt, 0)
+                    harm = self._harm(worker, slow)
                 work = weight * compute / objective if objective > 0.0 else math.inf
-                total += self._harm(worker, slow) + tuning.TTFT_WEIGHT * work
+                total += harm + tuning.TTFT_WEIGHT * work
                 count += 1
             per_token = self._refill = total / count / prompt if count else 0.0
         return per_token
