@@ -28,6 +28,7 @@ MODULES = (
     "policies/adaptive/candidates.py",
     "policies/adaptive/decision.py",
     "policies/adaptive/policy.py",
+    "policies/adaptive/ranking.py",
     "policies/adaptive/scoring.py",
     "policies/adaptive/shortlists.py",
     "policies/adaptive/terms.py",

@@ -55,13 +55,24 @@ class WorkerView(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     draining: bool = False
     node: str = ""
     scraped_age_s: float = 0.0
+    # When it was scraped, on the clock of the view's `now_s`; where set, a policy reads its
+    # age as now_s minus it (`scraped_at`) and `scraped_age_s` is the age when this view of
+    # the worker was built: a view built per scrape and shared between turns stays true.
+    scraped_at_s: float | None = None
     # The engine admits queued requests by their `priority` (vLLM's --scheduling-policy
     # priority), so a decision's `due_ms` orders its queue.
     priority_scheduling: bool = False
+    # Its NIC's rate, bytes per second (0: not known): see `ClusterView.links`.
+    nic_bps: float = 0.0
 
     @property
     def accepts_new_work(self) -> bool:
         return self.healthy and not self.draining
+
+    def scraped_at(self, now_s: float) -> float:
+        """When the worker was scraped, on the clock of `now_s` (the view's)."""
+        at = self.scraped_at_s
+        return now_s - self.scraped_age_s if at is None else at
 
 
 class LinkView(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -91,7 +102,14 @@ class Residency(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class ClusterView(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A snapshot of the fleet for one decision."""
+    """A snapshot of the fleet for one decision.
+
+    `links` lists the links that carry or have reserved bytes, or whose capacity is their own;
+    a link it leaves out between two workers of `workers` that both know their NIC rate, from
+    a prefill-capable one to another decode-capable one, is idle at the lower of the two
+    rates (`link`). A fleet of N workers has up to N x (N - 1) links: listing only those keeps
+    the view as small as the transfers under way.
+    """
 
     now_s: float
     workers: tuple[WorkerView, ...]
@@ -109,7 +127,20 @@ class ClusterView(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         for link in self.links:
             if link.src == src and link.dst == dst:
                 return link
-        return None
+        rate = idle_link_bps(self.worker(src), self.worker(dst))
+        return LinkView(src=src, dst=dst, capacity_bps=rate) if rate > 0.0 else None
+
+
+def idle_link_bps(src: WorkerView | None, dst: WorkerView | None) -> float:
+    """The capacity of the link from `src` to `dst` that a `ClusterView` leaves out of its
+    `links` (idle: nothing in flight or reserved), 0 where there is no such link: from a
+    prefill-capable worker to another decode-capable one, the lower of their NIC rates."""
+    if src is None or dst is None or src.worker_id == dst.worker_id:
+        return 0.0
+    if src.role == "decode" or dst.role == "prefill":
+        return 0.0
+    rate = src.nic_bps if src.nic_bps < dst.nic_bps else dst.nic_bps
+    return rate if rate > 0.0 else 0.0
 
 
 class Prediction(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

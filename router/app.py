@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 
 from policies import create_policy
+from policies.types import WorkerView, idle_link_bps
 from router.admin import Admin
 from router.api import PASS_THROUGH, RESPONSES, SESSIONS_PREFIX, Api
 from router.config import RouterConfig, WorkerSpec
@@ -20,7 +21,7 @@ from router.fleet.discovery import Source, source_of
 from router.fleet.membership import Membership
 from router.fleet.telemetry import Scraper, ScrapeTarget, WorkerLoad
 from router.fleet.tls import worker_ssl_context
-from router.fleet.workers import EjectionConfig, WorkerPool, WorkerState
+from router.fleet.workers import EjectionConfig, WorkerPool, WorkerState, nic_bps
 from router.http import Request, Response, StreamWriter
 from router.obs.events import EventLog, StageClock
 from router.obs.metrics import RouterMetrics
@@ -96,6 +97,7 @@ class Router:
             on_degraded=self._on_degraded,
         )
         await self.state.start()
+        self.state.leave_out_idle_links(self._implied_link_bps)
         session = self.pool.open_session(config.connect_timeout_s)
         for state in self.pool.workers.values():
             self._declare_links(state)
@@ -207,8 +209,22 @@ class Router:
             for src, dst in ((new, other), (other, new)):
                 if src.role == "decode" or dst.role == "prefill":
                     continue
-                capacity = min(src.nic_gbps, dst.nic_gbps) * 1e9 / 8
+                capacity = nic_bps(min(src.nic_gbps, dst.nic_gbps))
                 self.state.set_link_capacity(src.worker_id, dst.worker_id, capacity)
+
+    def _implied_link_bps(self, src: str, dst: str) -> float:
+        """The capacity a policy's view implies for the link src -> dst when it leaves it out
+        (its workers' views carry their NIC rates, `WorkerPool.views`): an idle link declared
+        so (`_declare_links`) need not be listed."""
+        ends = [self.pool.get(src), self.pool.get(dst)]
+        views = [
+            None if state is None else WorkerView(
+                worker_id=state.spec.worker_id, role=state.spec.role, healthy=True,
+                nic_bps=nic_bps(state.spec.nic_gbps),
+            )
+            for state in ends
+        ]  # fmt: skip
+        return idle_link_bps(views[0], views[1])
 
     def _on_scrape(self, worker_id: str, load: WorkerLoad | None, healthy: bool) -> None:
         self.pool.on_scrape(worker_id, load, healthy)

@@ -5,13 +5,16 @@ always admitted; a migration of `nbytes` is admitted iff
 `handoff_bytes + migration_bytes + nbytes <= rate x lease_s`, with `rate` the link's capacity,
 else its observed rate, and with neither known only onto an idle link. A release with a
 measured rate updates the link's observed rate (EWMA). The policy sees handoff reservations as
-`reserved_bytes` and admitted migrations as `bytes_in_flight`, as `LinkState.to_view` gives.
+`reserved_bytes` and admitted migrations as `bytes_in_flight`, as `LinkState.to_view` gives,
+on the links that hold some, or whose capacity is not the one the view implies for a link it
+leaves out (`policies.types.ClusterView`: an idle link at its NICs' rate, whose observed rate
+that capacity overrides); the others are left out.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 from policies.plan import TransferKind
@@ -28,10 +31,18 @@ class Reservation(NamedTuple):
 
 
 class _Link:
-    __slots__ = ("capacity_bps", "handoff_bytes", "migration_bytes", "observed_bps", "reservations")
+    __slots__ = (
+        "capacity_bps",
+        "handoff_bytes",
+        "implied",
+        "migration_bytes",
+        "observed_bps",
+        "reservations",
+    )
 
-    def __init__(self, capacity_bps: float) -> None:
+    def __init__(self, capacity_bps: float, implied: bool = False) -> None:
         self.capacity_bps = capacity_bps
+        self.implied = implied  # idle, a view may leave it out (its capacity is implied)
         self.observed_bps: float | None = None  # no release measured yet
         self.handoff_bytes = 0
         self.migration_bytes = 0
@@ -40,11 +51,22 @@ class _Link:
 
 class LinkLedger:
     def __init__(
-        self, capacities: Iterable[tuple[str, str, float]], lease_s: float, ewma_alpha: float
+        self,
+        capacities: Iterable[tuple[str, str, float]],
+        lease_s: float,
+        ewma_alpha: float,
+        implied: Callable[[str, str], float] | None = None,
     ) -> None:
-        self._links: dict[tuple[str, str], _Link] = {
-            (src, dst): _Link(capacity) for src, dst, capacity in capacities
-        }
+        """`implied`: the capacity a view implies for a link it leaves out (0: none; None:
+        every link is listed)."""
+        self._links: dict[tuple[str, str], _Link] = {}
+        # The links a view lists: those not implied, or holding bytes (insertion order).
+        self._listed: dict[tuple[str, str], _Link] = {}
+        for src, dst, capacity in capacities:
+            rate = implied(src, dst) if implied is not None else 0.0
+            link = self._links[(src, dst)] = _Link(capacity, 0.0 < rate == capacity)
+            if not link.implied:
+                self._listed[(src, dst)] = link
         self._lease_s = lease_s
         self._alpha = ewma_alpha
         self._live: dict[int, Reservation] = {}
@@ -59,7 +81,7 @@ class LinkLedger:
         self._prune(now)
         link = self._links.get((src, dst))
         if link is None:  # a link nobody declared: created with no known capacity
-            link = self._links[(src, dst)] = _Link(0.0)
+            link = self._links[(src, dst)] = self._listed[(src, dst)] = _Link(0.0)
             self._views = None
         if kind == "migration":
             rate = link.capacity_bps if link.capacity_bps > 0 else (link.observed_bps or 0.0)
@@ -88,10 +110,11 @@ class LinkLedger:
             link.observed_bps = (
                 rate if old is None else self._alpha * rate + (1 - self._alpha) * old
             )
-            self._views = None
+            if not link.implied:
+                self._views = None
 
     def views(self, now: float) -> tuple[LinkView, ...]:
-        """Every link as the policy sees it (rebuilt only after a change)."""
+        """The links a view lists (rebuilt only after a change to one of them)."""
         self._prune(now)
         if self._views is None:
             self._views = tuple(
@@ -103,7 +126,7 @@ class LinkLedger:
                     bytes_in_flight=link.migration_bytes,
                     reserved_bytes=link.handoff_bytes,
                 )
-                for (src, dst), link in self._links.items()
+                for (src, dst), link in self._listed.items()
             )
         return self._views
 
@@ -115,6 +138,12 @@ class LinkLedger:
             link.migration_bytes += sign * reservation.nbytes
         link.reservations += sign
         self._views = None
+        if link.implied:
+            key = (reservation.src, reservation.dst)
+            if link.reservations > 0:
+                self._listed[key] = link
+            else:
+                self._listed.pop(key, None)
 
     def _prune(self, now: float) -> None:
         expiries = self._expiries

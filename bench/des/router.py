@@ -36,7 +36,15 @@ from bench.des.views import ViewBuilder
 from bench.results.summary import RequestResult, Status, predicted_ttft
 from policies.base import Policy
 from policies.plan import kv_bytes, plan_turn
-from policies.types import Decision, Objectives, Residency, Turn, hold_of
+from policies.types import (
+    Decision,
+    Objectives,
+    Residency,
+    Turn,
+    WorkerView,
+    hold_of,
+    idle_link_bps,
+)
 from router.obs.events import StageEvents
 from sim.engine.engine import EngineRequest, RequestStats
 from sim.engine.kvcache import extend_block_hashes
@@ -62,10 +70,15 @@ class SimRouter:
         self._prefill_first = config.first_token == "prefill"
         self._objectives = config.objectives
         rate = config.nic_gbps * 1e9 / 8  # every NIC is alike
+        nics = {
+            wid: WorkerView(worker_id=wid, role=role, healthy=True, nic_bps=rate)
+            for wid, role in zip(config.worker_ids, config.roles, strict=True)
+        }
         self._ledger = LinkLedger(
             router_links(config.worker_ids, config.roles, rate),
             config.reservation_lease_s,
             config.ewma_alpha,
+            implied=lambda src, dst: idle_link_bps(nics.get(src), nics.get(dst)),
         )
         self.views = ViewBuilder(config, cluster, self._ledger)
         # session -> (residency or None, epoch, last commit time)
@@ -151,7 +164,7 @@ class SimRouter:
     def _single(self, flight: Flight, worker: int, now: float) -> None:
         flight.served_by = worker
         flight.events.prefill_start = now
-        self.views.inflight[worker] += 1
+        self.views.sent(worker)
         leg = Leg(flight, worker, self._single_done, flight.req.keep_answer)
         self._loop.at(now + self._overhead, self._send_single, leg)
 
@@ -191,7 +204,7 @@ class SimRouter:
     def _handoff(self, flight: Flight, prefill: int, decode: int, now: float) -> None:
         flight.decode = decode
         flight.events.prefill_start = now
-        self.views.inflight[prefill] += 1
+        self.views.sent(prefill)
         keep = self._prefill_first and flight.req.keep_answer
         leg = Leg(flight, prefill, self._prefill_done, keep)
         self._loop.at(now + self._overhead, self._send_prefill, leg)
@@ -215,7 +228,7 @@ class SimRouter:
         events.transfer_start = now
         decode = flight.decode
         flight.served_by = decode
-        self.views.inflight[decode] += 1
+        self.views.sent(decode)
         decode_leg = Leg(flight, decode, self._decode_done, flight.req.keep_answer)
         if stats.held_blocks:
             self.views.begin(decode_leg)  # it brings its KV: it queues no prefill there

@@ -36,6 +36,30 @@ class DecodeTerms(NamedTuple):
     pace: float
 
 
+def costs(
+    harm: float,
+    exposure: float,
+    eviction: float,
+    ttft_ms: float,
+    compute_ms: float,
+    pace: float,
+    objective_ms: float,
+) -> tuple[float, float, float]:
+    """(TTFT risk, misses, cost) of a placement with these terms (`policies.adaptive.scoring`
+    has the formulas). Each is non-decreasing in every argument but the objective, and
+    computed in one order, so terms no larger give results no larger, to the last bit (what
+    `Scorer.handoff_floor` bounds a candidate with)."""
+    share = ttft_ms / objective_ms if objective_ms > 0.0 else math.inf
+    # min() and max() spelled out: a turn computes this per placement it weighs.
+    risk_from = tuning.RISK_FROM
+    risk = (share - risk_from) / (1.0 - risk_from)
+    risk = (risk if risk < 1.0 else 1.0) if risk > 0.0 else 0.0
+    misses = harm + exposure + eviction + risk
+    work = compute_ms / objective_ms if objective_ms > 0.0 else math.inf
+    pacing = share + tuning.WORK_WEIGHT * work + pace
+    return risk, misses, misses + tuning.TTFT_WEIGHT * (1e9 if pacing > 1e9 else pacing)
+
+
 class Candidate:
     """One feasible placement: its predicted terms (ms) and expected objective misses."""
 
@@ -114,16 +138,10 @@ class Candidate:
         self.ttft_ms = ttft = queue_ms + compute_ms + own_wait_ms + transfer_ms
         self.harm = harm
         self.exposure = exposure
-        share = ttft / objective_ms if objective_ms > 0.0 else math.inf
-        # min() and max() spelled out: a turn builds a candidate per placement it weighs.
-        risk_from = tuning.RISK_FROM
-        risk = (share - risk_from) / (1.0 - risk_from)
-        self.risk = (risk if risk < 1.0 else 1.0) if risk > 0.0 else 0.0
-        self.misses = harm + exposure + eviction + self.risk
-        work = compute_ms / objective_ms if objective_ms > 0.0 else math.inf
-        pacing = share + tuning.WORK_WEIGHT * work + pace
         self.eviction = eviction
-        self.cost = self.misses + tuning.TTFT_WEIGHT * (1e9 if pacing > 1e9 else pacing)
+        self.risk, self.misses, self.cost = costs(
+            harm, exposure, eviction, ttft, compute_ms, pace, objective_ms
+        )
 
     @property
     def interference(self) -> float:

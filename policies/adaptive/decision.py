@@ -4,8 +4,6 @@ objective misses; `policies.adaptive.scoring` has the formulas)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from policies.adaptive import tuning
 from policies.adaptive.candidates import Candidate
 from policies.types import Colocate, Decision, Handoff, Migrate, Prediction, Recompute
@@ -40,20 +38,19 @@ def _share(candidate: Candidate) -> float:
 def explain(
     best: Candidate,
     reference: Candidate,
-    candidates: list[Candidate],
-    key: Callable[[Candidate], tuple[bool, float, int, tuple[str, ...]]],
+    rival: Candidate | None,
     objective: float,
 ) -> str:
+    """Why `best` won: against the colocated `reference`, or where it is the reference,
+    against the `rival` (the best ranked of the others; None: none)."""
     if best is not reference:
         avoided, added = _separation(best, reference)
         text = f"{best.describe()}: {_inequality(best, avoided, added)}"
         if avoided <= added:
             text += f"; {reference.describe()} misses TTFT ({ms_text(reference.ttft_ms)})"
         return text
-    rivals = [c for c in candidates if c is not reference]
-    if not rivals:
+    if rival is None:
         return f"{best.describe()}: the only candidate"
-    rival = min(rivals, key=key)
     avoided, added = _separation(rival, reference)
     text = f"{best.describe()}: {_inequality(rival, avoided, added)} of {rival.describe()}"
     if rival.ttft_ms > objective:

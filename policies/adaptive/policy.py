@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable
 from typing import ClassVar
 
 from policies.adaptive import tuning
@@ -72,7 +71,8 @@ from policies.adaptive.ledgers.legs import LegLedger, StallLedger, forget_oldest
 from policies.adaptive.ledgers.streams import Leg, StreamLedger
 from policies.adaptive.ledgers.work import WorkLedger
 from policies.adaptive.params import AdaptiveParams as AdaptiveParams
-from policies.adaptive.scoring import Scorer
+from policies.adaptive.ranking import Key, Search, rank_key
+from policies.adaptive.scoring import Hold, Scorer
 from policies.adaptive.shortlists import (
     LoadKey,
     decode_shortlist,
@@ -92,8 +92,6 @@ from policies.types import (
     Turn,
     WorkerView,
 )
-
-_TIE_ORDER: dict[Action, int] = {"colocate": 0, "handoff": 1, "migrate": 2, "recompute": 3}
 
 
 class AdaptivePolicy:
@@ -137,119 +135,13 @@ class AdaptivePolicy:
         self._prefixes: dict[str, tuple[_Prefix, ...]] = {}
 
     def decide(self, turn: Turn, view: ClusterView) -> Decision:
-        p = self.params
-        now = view.now_s
-        if now > self._now_s:
-            self._now_s = now
-        # One pass over the fleet reads each worker's load and nothing more: the terms are
-        # computed only for the workers the shortlists keep (`policies.adaptive.shortlists`).
-        index: dict[str, WorkerView] = {}
-        roomy_keys: list[LoadKey] = []  # decode-capable with KV usage below migrate_kv_usage
-        full_keys: list[LoadKey] = []  # decode-capable, the others
-        usages: list[tuple[float, str]] = []  # decode-capable: KV usage, id
-        prefill_keys: list[LoadKey] = []
-        kv_limit = p.migrate_kv_usage
-        for worker in view.workers:
-            wid = worker.worker_id
-            index[wid] = worker
-            if worker.healthy and not worker.draining:
-                load = (worker.inflight + worker.running + 2 * worker.waiting, wid)
-                role = worker.role
-                if role in DECODE_ROLES:
-                    usage = worker.kv_usage
-                    (roomy_keys if usage < kv_limit else full_keys).append(load)
-                    usages.append((usage, wid))
-                if role in PREFILL_ROLES:
-                    prefill_keys.append(load)
-        self._work.settle_pending(index, now)
-        if not roomy_keys and not full_keys:
+        found = self.search(turn, view)
+        if found is None:
             return reject_no_worker("decode")
+        best, reference, rival = found.best, found.reference, found.rival
+        p = self.params
+        index = found.index
         residency = view.residency
-        source = index.get(residency.worker_id) if residency is not None else None
-        resident = source if source is not None and can_serve(source, DECODE_ROLES) else None
-        links = view.links
-        if links is not self._indexed_links:
-            self._link_index = {(link.src, link.dst): link for link in links}
-            self._indexed_links = links
-        prefix = _prefix_of(self._prefixes, turn)
-        skip = resident.worker_id if resident is not None else ""
-        # A new answer goes where its KV fits: a full cache preempts the streams running there.
-        roomy = len(roomy_keys) - (resident is not None and resident.kv_usage < kv_limit)
-        pool = roomy_keys if roomy > 0 else roomy_keys + full_keys
-        exhaustive = self._exhaustive
-        screened = len(pool) if exhaustive else tuning.SCREENED_WORKERS
-        chosen = least_loaded(pool, screened, skip)
-        if len(pool) > screened + 1:
-            # and the emptiest caches: where a turn's KV evicts least and crowds no stream
-            taken = set(chosen)
-            emptiest = heapq.nsmallest(p.shortlist + len(taken) + 1, usages)
-            chosen += [w for _, w in emptiest if w not in taken and w != skip][: p.shortlist]
-        screen = [index[wid] for wid in chosen]
-        # Up to the screen's size, every decode-capable worker prices a context prefilled
-        # again; past it, the workers scored here do (the least loaded: it errs low).
-        decoders = len(roomy_keys) + len(full_keys)
-        small = exhaustive or decoders <= tuning.SCREENED_WORKERS
-        scorer = Scorer(
-            turn,
-            view,
-            self.estimates,
-            links=self._link_index,
-            horizon_s=p.link_horizon_s,
-            default_bps=p.default_link_bps,
-            stalls=self._stalls,
-            prefix=prefix,
-            work=self._work,
-            max_seqs=p.max_num_seqs,
-            legs=self._coming,
-            done=self._done,
-            max_hold_s=p.max_hold_s,
-            continuing=self._admission.continuing,
-            cache=self._cache,
-            index=index,
-            host_fresh_s=0.0 if small else tuning.HOST_RATE_FRESH_S,
-        )
-        key = _rank_key(turn)
-        others = decode_shortlist(screen, p.shortlist, scorer)
-        decode_targets = [resident, *others] if resident is not None else others
-        prefills = prefill_shortlist(
-            prefill_keys, index, p.shortlist, prefix, scorer, None if exhaustive else self._stalls
-        )
-        if not small:
-            scored = {w.worker_id: w for w in (resident, *screen, *prefills) if w is not None}
-            scorer.refill_from([w for w in scored.values() if can_serve(w, DECODE_ROLES)])
-        # A whole turn can go to any of them (one candidate each); splits to the shortlist.
-        whole = [scorer.whole(worker) for worker in (resident, *screen) if worker is not None]
-        # Colocating where the state lives is what any separation must beat.
-        reference = whole[0] if resident is not None else min(whole, key=key)
-        # Held twins: the same placements once the streams their prefill would stall end.
-        holds = [(w, scorer.hold(w)) for w in (resident, *screen) if w is not None]
-        candidates = whole + [scorer.whole(w, held) for w, held in holds if held is not None]
-        mover = None
-        if (
-            source is not None
-            and source.accepts_new_work
-            and (resident is None or _overloaded(source, p))
-        ):
-            # The router runs a migration as a handoff from the source: the state moves on.
-            mover = source
-            for destination in others:
-                if destination.kv_usage < p.migrate_kv_usage:
-                    candidates.append(scorer.handoff(source, destination, "migrate"))
-        for prefill in prefills:
-            # Else the answer (the session) leaves only to get away from a slow prefill.
-            if prefill is mover or (prefill is source and not scorer.slow_prefill(prefill)):
-                continue
-            held = scorer.hold(prefill)
-            for decode in decode_targets:
-                if decode is not prefill:
-                    candidates.append(scorer.handoff(prefill, decode))
-                    if held is not None:
-                        candidates.append(scorer.handoff(prefill, decode, held=held))
-        if resident is not None:
-            key = _rank_key(turn, reference)
-        else:  # a new session's turn may not stall the streams running where it prefills
-            key = _rank_key(turn, least_harm=min(c.harm for c in candidates))
-        best = min(candidates, key=key)
         predicted = predicted_terms(best, reference)
         objective = turn.objectives.ttft_ms
         self._admission.note(turn.session_id, turn.request_id)
@@ -311,8 +203,169 @@ class AdaptivePolicy:
             # still due when it was: behind the turns due earlier, ahead of later ones
             reason = f"best effort, {verdict}{ms_text(objective)}"
             return decision_of(best, predicted, reason, due)
-        reason = explain(best, reference, candidates, key, objective)
+        reason = explain(best, reference, rival, objective)
         return decision_of(best, predicted, reason, due)
+
+    def search(self, turn: Turn, view: ClusterView) -> Search | None:
+        """The best candidate for `turn` on `view`, the reference and the rival the reason
+        names (None: no worker can decode it); it places nothing."""
+        p = self.params
+        now = view.now_s
+        if now > self._now_s:
+            self._now_s = now
+        # One pass over the fleet reads each worker's load and nothing more: the terms are
+        # computed only for the workers the shortlists keep (`policies.adaptive.shortlists`).
+        index: dict[str, WorkerView] = {}
+        roomy_keys: list[LoadKey] = []  # decode-capable with KV usage below migrate_kv_usage
+        full_keys: list[LoadKey] = []  # decode-capable, the others
+        usages: list[tuple[float, str]] = []  # decode-capable: KV usage, id
+        prefill_keys: list[LoadKey] = []
+        prefill_streams: list[tuple[int, str]] = []
+        kv_limit = p.migrate_kv_usage
+        max_seqs = p.max_num_seqs
+        for worker in view.workers:
+            wid = worker.worker_id
+            index[wid] = worker
+            if worker.healthy and not worker.draining:
+                load = (worker.inflight + worker.running + 2 * worker.waiting, wid)
+                role = worker.role
+                if role in DECODE_ROLES:
+                    usage = worker.kv_usage
+                    (roomy_keys if usage < kv_limit else full_keys).append(load)
+                    usages.append((usage, wid))
+                if role in PREFILL_ROLES:
+                    prefill_keys.append(load)
+                    # its decode streams (`TurnTerms.streams`)
+                    running = worker.running if worker.running > 0 else 0
+                    placed = worker.inflight - (worker.waiting if worker.waiting > 0 else 0)
+                    streams = placed if placed > running else running
+                    capped = 0 < max_seqs < streams
+                    prefill_streams.append((max_seqs if capped else streams, wid))
+        self._work.settle_pending(index, now)
+        if not roomy_keys and not full_keys:
+            return None
+        residency = view.residency
+        source = index.get(residency.worker_id) if residency is not None else None
+        resident = source if source is not None and can_serve(source, DECODE_ROLES) else None
+        links = view.links
+        if links is not self._indexed_links:
+            self._link_index = {(link.src, link.dst): link for link in links}
+            self._indexed_links = links
+        prefix = _prefix_of(self._prefixes, turn)
+        skip = resident.worker_id if resident is not None else ""
+        # A new answer goes where its KV fits: a full cache preempts the streams running there.
+        roomy = len(roomy_keys) - (resident is not None and resident.kv_usage < kv_limit)
+        pool = roomy_keys if roomy > 0 else roomy_keys + full_keys
+        exhaustive = self._exhaustive
+        screened = len(pool) if exhaustive else tuning.SCREENED_WORKERS
+        chosen = least_loaded(pool, screened, skip)
+        if len(pool) > screened + 1:
+            # and the emptiest caches: where a turn's KV evicts least and crowds no stream
+            taken = set(chosen)
+            emptiest = heapq.nsmallest(p.shortlist + len(taken) + 1, usages)
+            chosen += [w for _, w in emptiest if w not in taken and w != skip][: p.shortlist]
+        screen = [index[wid] for wid in chosen]
+        # Up to the screen's size, every decode-capable worker prices a context prefilled
+        # again; past it, the workers scored here do (the least loaded: it errs low).
+        decoders = len(roomy_keys) + len(full_keys)
+        small = exhaustive or decoders <= tuning.SCREENED_WORKERS
+        scorer = Scorer(
+            turn,
+            view,
+            self.estimates,
+            links=self._link_index,
+            horizon_s=p.link_horizon_s,
+            default_bps=p.default_link_bps,
+            stalls=self._stalls,
+            prefix=prefix,
+            work=self._work,
+            max_seqs=p.max_num_seqs,
+            legs=self._coming,
+            done=self._done,
+            max_hold_s=p.max_hold_s,
+            continuing=self._admission.continuing,
+            cache=self._cache,
+            index=index,
+            host_fresh_s=0.0 if small else tuning.HOST_RATE_FRESH_S,
+            prefill_streams=prefill_streams,
+        )
+        key = rank_key(turn)
+        others = decode_shortlist(screen, p.shortlist, scorer)
+        decode_targets = [resident, *others] if resident is not None else others
+        prefills = prefill_shortlist(
+            prefill_keys, index, p.shortlist, prefix, scorer, None if exhaustive else self._stalls
+        )
+        if not small:
+            scored = {w.worker_id: w for w in (resident, *screen, *prefills) if w is not None}
+            scorer.refill_from([w for w in scored.values() if can_serve(w, DECODE_ROLES)])
+        # A whole turn can go to any of them (one candidate each); splits to the shortlist.
+        whole = [scorer.whole(worker) for worker in (resident, *screen) if worker is not None]
+        # Colocating where the state lives is what any separation must beat.
+        reference = whole[0] if resident is not None else min(whole, key=key)
+        # Held twins: the same placements once the streams their prefill would stall end.
+        holds = [(w, scorer.hold(w)) for w in (resident, *screen) if w is not None]
+        whole += [scorer.whole(w, held) for w, held in holds if held is not None]
+        # The split placements, each ranked first by its floor (`Scorer.handoff_floor`): only
+        # those whose floor could still win (or come second: the reason names the runner-up)
+        # are scored.
+        splits: list[_Split] = []
+        mover = None
+        if (
+            source is not None
+            and source.accepts_new_work
+            and (resident is None or _overloaded(source, p))
+        ):
+            # The router runs a migration as a handoff from the source: the state moves on.
+            mover = source
+            for destination in others:
+                if destination.kv_usage < p.migrate_kv_usage:
+                    splits.append((source, destination, "migrate", None))
+        for prefill in prefills:
+            # Else the answer (the session) leaves only to get away from a slow prefill.
+            if prefill is mover or (prefill is source and not scorer.slow_prefill(prefill)):
+                continue
+            held = scorer.hold(prefill)
+            for decode in decode_targets:
+                if decode is not prefill:
+                    splits.append((prefill, decode, "handoff", None))
+                    if held is not None:
+                        splits.append((prefill, decode, "handoff", held))
+        floors = [scorer.handoff_floor(split[0], split[1], split[3]) for split in splits]
+        if resident is not None:
+            rank = rank_key(turn, reference)
+        else:  # a new session's turn may not stall the streams running where it prefills
+            least = min(c.harm for c in whole)
+            for floor in floors:
+                least = floor[1] if floor[1] < least else least
+            rank = rank_key(turn, least_harm=least)
+        # (key, the order exhaustive scoring lists it in: the first of equals wins)
+        ref_entry: tuple[Key, int] = (rank(reference), 0)
+        rival: tuple[Key, int] | None = None
+        rival_candidate: Candidate | None = None
+        for order, candidate in enumerate(whole):
+            if candidate is not reference:
+                entry = (rank(candidate), order)
+                if rival is None or entry < rival:
+                    rival, rival_candidate = entry, candidate
+            else:
+                ref_entry = (ref_entry[0], order)
+        ranked = sorted(
+            (rank.floor(floors[order], split[2], (split[0].worker_id, split[1].worker_id)), order)
+            for order, split in enumerate(splits)
+        )
+        first = len(whole)
+        for bound, order in ranked:
+            if rival is not None and bound > rival[0]:
+                break  # it, and every one ranked after it, loses to the rival
+            prefill, decode, action, held = splits[order]
+            candidate = scorer.handoff(prefill, decode, action, held)
+            entry = (rank(candidate), first + order)
+            if rival is None or entry < rival:
+                rival, rival_candidate = entry, candidate
+        best = reference
+        if rival is not None and rival_candidate is not None and rival < ref_entry:
+            best = rival_candidate
+        return Search(best, reference, rival_candidate, scorer, index)
 
     def _passing_ttft(
         self,
@@ -356,30 +409,8 @@ class AdaptivePolicy:
             self.estimates.observe_fresh(outcome)
 
 
-def _rank_key(
-    turn: Turn, reference: Candidate | None = None, least_harm: float = math.inf
-) -> Callable[[Candidate], tuple[bool, float, int, tuple[str, ...]]]:
-    """Meets the turn's own objectives first (its TTFT, and its ITL: fewer slow gaps expected
-    where it decodes than its budget, `Candidate.exposure` < 1) at a harm within one miss of
-    the colocated `reference`'s, or without one (a new session) of `least_harm` (meeting them
-    saves one turn: costing the streams beside its prefill more saves nothing), then the
-    lower cost; a candidate other than `reference` must win by `SEPARATION_MARGIN` (what the
-    model leaves out: a turn moved off its resident worker moves load and cache with it, its
-    gain is an estimate)."""
-    objective = turn.objectives.ttft_ms
-    harmful = (least_harm if reference is None else reference.harm) + 1.0
-    separation = tuning.SEPARATION_MARGIN
-
-    def key(candidate: Candidate) -> tuple[bool, float, int, tuple[str, ...]]:
-        margin = 0.0 if reference is None or candidate is reference else separation
-        return (
-            candidate.ttft_ms > objective or candidate.exposure >= 1.0 or candidate.harm >= harmful,
-            candidate.cost + margin,
-            _TIE_ORDER[candidate.action],
-            candidate.workers,
-        )
-
-    return key
+# a split placement: prefill worker, decode worker, action, its hold
+_Split = tuple[WorkerView, WorkerView, Action, Hold | None]
 
 
 def _ends(chosen: Candidate, now_s: float) -> tuple[Leg, ...]:

@@ -106,7 +106,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from policies.adaptive import tuning
-from policies.adaptive.candidates import Candidate, PrefillTerms
+from policies.adaptive.candidates import Candidate, PrefillTerms, costs
 from policies.adaptive.ledgers.cache import CacheLedger, Fill
 from policies.adaptive.ledgers.legs import LegLedger
 from policies.adaptive.ledgers.legs import StallLedger as StallLedger
@@ -119,6 +119,7 @@ from policies.eligibility import DECODE_ROLES, can_serve
 from policies.types import Action, ClusterView, LinkView, Turn, WorkerView
 
 Hold = tuple[float, PrefillTerms]  # a hold's ms, and the held prefill's terms
+Floor = tuple[float, float, float, float]  # `Scorer.handoff_floor`: TTFT, harm, exposure, cost
 
 
 class Scorer(TurnTerms):
@@ -151,6 +152,7 @@ class Scorer(TurnTerms):
         index: Mapping[str, WorkerView] | None = None,
         host_fresh_s: float = 0.0,
         refill: Sequence[WorkerView] | None = None,
+        prefill_streams: list[tuple[int, str]] | None = None,
     ) -> None:
         super().__init__(
             turn,
@@ -167,6 +169,7 @@ class Scorer(TurnTerms):
             continuing=continuing,
             index=index,
             host_fresh_s=host_fresh_s,
+            prefill_streams=prefill_streams,
         )
         self._cache = cache
         self._refilled = refill
@@ -266,6 +269,27 @@ class Scorer(TurnTerms):
             eviction=self.eviction(fills),
         )
 
+    def handoff_floor(
+        self, prefill: WorkerView, decode: WorkerView, held: Hold | None = None
+    ) -> Floor:
+        """(TTFT, harm, exposure, cost) no larger than `handoff(prefill, decode, ..., held)`'s,
+        from the terms each worker's candidates share: its transfer, the wait for the decode
+        worker, the eviction and the held prefills' exposure at 0, the rest summed in the
+        order `handoff` and `costs` sum them (so no larger to the last bit). The harm is the
+        candidate's own. Ranked by this, a candidate whose floor already loses to one scored
+        need not be built (`policies.adaptive.policy`)."""
+        local = self._prefill_on(prefill)
+        queue = self.queue_ms(prefill)
+        if held is not None:
+            hold, local = held
+            queue = hold if hold > queue else queue
+        receiver = self._decode_on(decode)
+        compute = local.compute_ms + receiver.first_step_ms
+        ttft = queue + compute + local.own_wait_ms
+        exposure = receiver.exposure
+        cost = costs(local.harm, exposure, 0.0, ttft, compute, receiver.pace, self._objective_ms)
+        return ttft, local.harm, exposure, cost[2]
+
     def refill_from(self, workers: Sequence[WorkerView]) -> None:
         """Price an evicted context prefilled again on `workers` (before any candidate)."""
         self._refilled = workers
@@ -304,9 +328,15 @@ class Scorer(TurnTerms):
             for worker in workers:
                 if not can_serve(worker, DECODE_ROLES):
                     continue
-                compute, _, _, _, slow = self._local_prefill(worker, prompt, 0)
+                if prompt == self._prompt and self._cached_at(worker.worker_id) == 0:
+                    # the turn's own prefill there: the same terms, shared with its candidates
+                    terms = self._prefill_on(worker)
+                    compute, harm = terms.compute_ms, terms.harm
+                else:
+                    compute, _, _, _, slow = self._local_prefill(worker, prompt, 0)
+                    harm = self._harm(worker, slow)
                 work = weight * compute / objective if objective > 0.0 else math.inf
-                total += self._harm(worker, slow) + tuning.TTFT_WEIGHT * work
+                total += harm + tuning.TTFT_WEIGHT * work
                 count += 1
             per_token = self._refill = total / count / prompt if count else 0.0
         return per_token

@@ -28,7 +28,7 @@ from policies.adaptive.ledgers.work import WorkLedger
 from policies.costmodel.calibration import queue_ahead
 from policies.costmodel.estimates import Estimates, PrefillLeg
 from policies.eligibility import PREFILL_ROLES, can_serve
-from policies.types import ClusterView, LinkView, Turn, WorkerView
+from policies.types import ClusterView, LinkView, Turn, WorkerView, idle_link_bps
 
 
 class TurnTerms:
@@ -37,7 +37,9 @@ class TurnTerms:
     `links` indexes the view's links by (src, dst); `stalls` holds the workers' recent steps
     past the ITL objective; `index` the view's workers by id (None: built here);
     `host_fresh_s`: how old the rate of the workers hosting slow prefills may be (0: exact,
-    `StallLedger.host_rate`). `policies.adaptive.scoring.Scorer` builds it, with the defaults.
+    `StallLedger.host_rate`); `prefill_streams`: (`streams`, id) of every prefill-capable
+    worker, where the caller counted them in its own pass over the view (None: here).
+    `policies.adaptive.scoring.Scorer` builds it, with the defaults.
     """
 
     __slots__ = (
@@ -65,6 +67,7 @@ class TurnTerms:
         "_objective_ms",
         "_own_budget",
         "_own_gaps",
+        "_prefill_streams",
         "_prefills",
         "_prefix",
         "_prompt",
@@ -98,6 +101,7 @@ class TurnTerms:
         continuing: float,
         index: Mapping[str, WorkerView] | None = None,
         host_fresh_s: float = 0.0,
+        prefill_streams: list[tuple[int, str]] | None = None,
     ) -> None:
         prompt = turn.prompt_tokens if turn.prompt_tokens > 0 else 0
         uncached = min(max(turn.uncached_tokens, 0), prompt)
@@ -116,8 +120,10 @@ class TurnTerms:
         self._index = index if index is not None else {w.worker_id: w for w in view.workers}
         self._host_fresh_s = host_fresh_s
         self._continuing = continuing
-        # The three prefill-capable workers with the fewest streams (`_avoided`), once.
+        # The three prefill-capable workers with the fewest streams (`_avoided`), once, of
+        # `prefill_streams` where given.
         self._calmest: list[tuple[int, str]] | None = None
+        self._prefill_streams = prefill_streams
         self._objective_ms = turn.objectives.ttft_ms
         self._kv_bytes = view.kv_bytes_per_token
         self._estimates = estimates
@@ -198,12 +204,19 @@ class TurnTerms:
         it sends them). The rate is the link's capacity (else its observed rate, else
         `default_bps`), capped by the rate this policy measured on it, and a transfer gets at
         least `LINK_FLOOR_FRACTION` of it; without the link in the view, the measured or
-        default rate alone."""
+        default rate alone, or where its NICs give it one, that rate as of an idle link
+        (`policies.types.ClusterView`)."""
         if nbytes <= 0:
             return 0.0
         measured = self._estimates.link_bps(src, dst)
         link = self._links.get((src, dst))
         if link is None:
+            # Left out of the view's links: idle at its NICs' rate, where both are known.
+            rate = idle_link_bps(self._index.get(src), self._index.get(dst))
+            if rate > 0.0:
+                if measured is not None and measured < rate:
+                    rate = measured
+                return (0.0 + nbytes / rate) * 1000.0
             return nbytes * 1000.0 / (measured if measured is not None else self._default_bps)
         rate = link.capacity_bps if link.capacity_bps > 0.0 else link.observed_bps
         rate = rate if rate > 0.0 else self._default_bps
@@ -298,11 +311,11 @@ class TurnTerms:
             return False
         calmest = self._calmest
         if calmest is None:
-            calmest = self._calmest = heapq.nsmallest(
-                3,
-                ((self.streams(w), w.worker_id) for w in self._view.workers
-                 if can_serve(w, PREFILL_ROLES)),
-            )  # fmt: skip
+            counted = self._prefill_streams
+            if counted is None:
+                counted = [(self.streams(w), w.worker_id) for w in self._view.workers
+                           if can_serve(w, PREFILL_ROLES)]  # fmt: skip
+            calmest = self._calmest = heapq.nsmallest(3, counted)
         others = [streams for streams, wid in calmest if wid != worker.worker_id]
         if len(others) < 2:
             return False

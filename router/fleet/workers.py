@@ -113,6 +113,11 @@ class ModelPool:
         self.serving = sum(1 for state in members if state.serving)
 
 
+def nic_bps(nic_gbps: float) -> float:
+    """A NIC's rate in bytes per second, from Gb/s (a link's capacity is its ends' lower)."""
+    return nic_gbps * 1e9 / 8
+
+
 class WorkerPool:
     """Every configured worker's state, plus the pooled client session used to reach them."""
 
@@ -417,6 +422,7 @@ class WorkerPool:
                     node=state.spec.node,
                     scraped_age_s=max(0.0, now - load.scraped_at) if load else 0.0,
                     priority_scheduling=state.spec.priority_scheduling,
+                    nic_bps=nic_bps(state.spec.nic_gbps),
                 )
             )
         return tuple(views)

@@ -265,8 +265,13 @@ class SharedState:
         return self._fleet.link_views(time.time())
 
     def policy_links(self) -> tuple[LinkView, ...]:
-        """Every link as a policy sees it (built again only after a change)."""
+        """The links a policy's view lists (built again only after a change to one)."""
         return self._fleet.policy_links(time.time())
+
+    def leave_out_idle_links(self, implied: Callable[[str, str], float]) -> None:
+        """Policies' views leave out the idle links `implied` gives their capacity
+        (`FleetView.leave_out_idle`)."""
+        self._fleet.leave_out_idle(implied)
 
     # internals: writes
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 import msgspec
 
@@ -169,8 +169,11 @@ class FleetView:
         self.own_inflight: dict[str, int] = {}
         self.links: dict[tuple[str, str], LinkState] = {}
         self.local_reservations: dict[str, Reservation] = {}
-        # Every turn's ClusterView carries all links (N x (N-1) of them): rebuilt only after
-        # a change, or when a local reservation expires.
+        # Every turn's ClusterView carries the links it cannot imply (`leave_out_idle`; else
+        # all N x (N - 1) of them): rebuilt only after a change to one of those, or when a
+        # local reservation expires.
+        self._implied: Callable[[str, str], float] | None = None
+        self._listed: dict[tuple[str, str], LinkState] = {}
         self._links_changes = 0
         self._policy_links: tuple[LinkView, ...] = ()
         self._policy_links_as_of = -1
@@ -200,12 +203,12 @@ class FleetView:
         current = self.links.get(key)
         if current is None or state.as_of >= current.as_of:
             self.links[key] = state
-            self._links_changes += 1
+            self._relist(key)
 
     def set_capacity(self, src: str, dst: str, capacity_bps: float) -> None:
         current = self.links.get((src, dst)) or LinkState(src=src, dst=dst)
         self.links[(src, dst)] = msgspec.structs.replace(current, capacity_bps=capacity_bps)
-        self._links_changes += 1
+        self._relist((src, dst))
 
     def add_local_reservation(self, reservation: Reservation) -> None:
         """A reservation only this replica knows of (Redis did not take it) until it expires."""
@@ -227,12 +230,39 @@ class FleetView:
         self.links[(reservation.src, reservation.dst)] = msgspec.structs.replace(
             current, reservations=current.reservations - 1, **changes
         )
-        self._links_changes += 1
+        self._relist((reservation.src, reservation.dst))
+
+    def leave_out_idle(self, implied: Callable[[str, str], float]) -> None:
+        """From now on the policy's links leave out each idle link whose capacity is the one
+        `implied` gives it (what a `ClusterView` implies for a link it does not list,
+        `policies.types.idle_link_bps`; 0: none)."""
+        self._implied = implied
+        for key in self.links:
+            self._relist(key)
+
+    def _relist(self, key: tuple[str, str]) -> None:
+        """The link changed: list it for the policy unless its view would be implied."""
+        state = self.links.get(key)
+        implied = self._implied
+        if state is None or (
+            implied is not None
+            and state.handoff_bytes == 0
+            and state.migration_bytes == 0
+            and state.reservations == 0
+            and 0.0 < state.capacity_bps == implied(state.src, state.dst)
+        ):
+            if self._listed.pop(key, None) is not None:
+                self._links_changes += 1
+        else:
+            self._listed[key] = state
+            self._links_changes += 1
 
     def policy_links(self, now: float) -> tuple[LinkView, ...]:
-        """`link_views(now)` as the policy sees them; the same tuple while nothing changed."""
+        """`link_views(now)` as the policy sees them, less the links it implies
+        (`leave_out_idle`); the same tuple while nothing changed."""
         if self._policy_links_as_of != self._links_changes or now >= self._policy_links_until:
-            links = tuple(state.to_view() for state in self.link_views(now).values())
+            listed = self._overlaid(now, self._listed)
+            links = tuple(state.to_view() for state in listed.values())
             self._policy_links, self._policy_links_as_of = links, self._links_changes
             self._policy_links_until = min(
                 (r.expires_at for r in self.local_reservations.values()), default=math.inf
@@ -240,7 +270,13 @@ class FleetView:
         return self._policy_links
 
     def link_views(self, now: float) -> dict[tuple[str, str], LinkState]:
-        views = dict(self.links)
+        return self._overlaid(now, self.links)
+
+    def _overlaid(
+        self, now: float, links: dict[tuple[str, str], LinkState]
+    ) -> dict[tuple[str, str], LinkState]:
+        """`links` with this replica's unexpired local reservations added."""
+        views = dict(links)
         expired = [r.id for r in self.local_reservations.values() if r.expires_at <= now]
         for reservation_id in expired:
             del self.local_reservations[reservation_id]
@@ -272,4 +308,4 @@ class FleetView:
         for key in [k for k, s in self.links.items() if k not in present]:
             if self.links[key].as_of < snapshot.as_of:
                 del self.links[key]
-                self._links_changes += 1
+                self._relist(key)

@@ -40,6 +40,7 @@ class WorkLedger:
         "_pending",
         "_rates",
         "_recent",
+        "_settled",
         "window_s",
     )
 
@@ -58,6 +59,9 @@ class WorkLedger:
         # those are their request's entry still: past them `settle` would find only stale ones.
         self._held: dict[str, dict[tuple[float, str], int]] = {}
         self._current: dict[str, int] = {}
+        # worker -> the scrape (at, queued) `settle_pending` settled it by, while none of its
+        # placements changed since: settling by it again would change nothing.
+        self._settled: dict[str, tuple[float, int]] = {}
 
     def place(
         self,
@@ -106,6 +110,7 @@ class WorkLedger:
             self._held[worker] = {}
             self._current[worker] = 0
         held = self._held[worker]
+        self._settled.pop(worker, None)
         if len(recent) == recent.maxlen:
             oldest = recent[0]
             last = self._entries.get(oldest[1])
@@ -126,6 +131,7 @@ class WorkLedger:
         """Forget the request's entry: its copies in `_recent` are stale from now on."""
         entry = self._entries.pop(request_id, None)
         if entry is not None:
+            self._settled.pop(entry[0], None)
             self._current[entry[0]] -= self._held[entry[0]].get((entry[3], request_id), 0)
         return entry
 
@@ -188,7 +194,7 @@ class WorkLedger:
     def settle_pending(self, workers: Mapping[str, WorkerView], now_s: float) -> None:
         """`settle` each worker still busy at `now_s` by its view in `workers` (the rest are
         busy until a time a scrape, never later than now, cannot bring forward)."""
-        busy, pending = self._busy, self._pending
+        busy, pending, settled = self._busy, self._pending, self._settled
         for worker in list(pending):
             until = busy.get(worker)
             if until is None or until <= now_s:
@@ -196,9 +202,12 @@ class WorkLedger:
                 continue
             view = workers.get(worker)
             if view is not None:
-                scraped_s = now_s - view.scraped_age_s
+                scraped_s = view.scraped_at(now_s)
                 if math.isfinite(scraped_s):
-                    self.settle(worker, scraped_s, view.waiting)
+                    scrape = (scraped_s, view.waiting)
+                    if settled.get(worker) != scrape:
+                        self.settle(worker, *scrape)
+                        settled[worker] = scrape
 
     def queued(
         self, worker: str, scraped_s: float, waiting: int, exclude: str = ""
@@ -227,7 +236,7 @@ class WorkLedger:
         depth = queue_ahead(worker)
         if depth <= 0:
             return 0.0
-        scraped_s = now_s - worker.scraped_age_s
+        scraped_s = worker.scraped_at(now_s)
         own, weight = self.queued(worker.worker_id, scraped_s, worker.waiting, exclude)
         if own >= depth:  # the scrape is older than some of them finished
             return weight * depth / own

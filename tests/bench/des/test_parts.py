@@ -183,3 +183,24 @@ def test_goodput_search_arguments_are_checked() -> None:
     with pytest.raises(ValueError):
         next(goodput_search(start=2000.0))
     assert msgspec.json.decode(msgspec.json.encode(drive(2.0)), type=GoodputSearch) == drive(2.0)
+
+
+def test_ledger_lists_the_links_a_view_cannot_imply() -> None:
+    """An idle link at the rate its NICs imply is left out of the view; one holding bytes, or
+    declared at another rate, or not declared at all (made by a reservation) is listed."""
+    implied = {("a", "b"): 100.0, ("b", "a"): 100.0, ("a", "c"): 100.0}
+    declared = [("a", "b", 100.0), ("b", "a", 100.0), ("a", "c", 50.0)]
+    ledger = LinkLedger(declared, lease_s=10.0, ewma_alpha=0.5,
+                        implied=lambda s, d: implied.get((s, d), 0.0))  # fmt: skip
+    assert [(v.src, v.dst) for v in ledger.views(0.0)] == [("a", "c")]
+    reservation = ledger.reserve("a", "b", 40, "handoff", now=0.0)
+    assert reservation is not None
+    listed = {(v.src, v.dst): v for v in ledger.views(0.0)}
+    assert set(listed) == {("a", "c"), ("a", "b")} and listed[("a", "b")].reserved_bytes == 40
+    ledger.release(reservation, 40, 1.0)
+    assert [(v.src, v.dst) for v in ledger.views(1.0)] == [("a", "c")]
+    ledger.reserve("c", "b", 10, "handoff", now=1.0)  # undeclared: no capacity
+    assert {(v.src, v.dst) for v in ledger.views(1.0)} == {("a", "c"), ("c", "b")}
+    expired = ledger.views(20.0)  # its lease over, it stays listed: no capacity is implied
+    assert {(v.src, v.dst) for v in expired} == {("a", "c"), ("c", "b")}
+    assert all(v.reserved_bytes == 0 for v in expired)

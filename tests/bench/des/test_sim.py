@@ -195,9 +195,11 @@ def test_views_carry_scrape_staleness_and_live_inflight_counts() -> None:
     policy = Recorder()
     simulate(trace, policy, config(("mixed", "mixed"), scrape_interval_s=1.0))
     (_, first), (_, second) = policy.seen
-    assert [w.scraped_age_s for w in first.workers] == [0.0, 0.0]
+    assert [w.scraped_at(first.now_s) for w in first.workers] == [0.0, 0.0]
     assert second.now_s == 0.5
-    assert [w.scraped_age_s for w in second.workers] == [0.5, 0.5]
+    # the views built at the scrape are shared: their scrape time says how old they are
+    assert [w.scraped_at_s for w in second.workers] == [0.0, 0.0]
+    assert [second.now_s - w.scraped_at(second.now_s) for w in second.workers] == [0.5, 0.5]
     w0 = second.workers[0]
     # the 20k-token prefill is running, but the last scrape (t=0) saw an idle worker
     assert (w0.running, w0.waiting, w0.inflight) == (0, 0, 1)

@@ -21,7 +21,8 @@ from policies import (
 from policies.adaptive.candidates import Candidate
 from policies.adaptive.ledgers.legs import slot_wait_ms
 from policies.adaptive.ledgers.work import WorkLedger
-from policies.adaptive.policy import AdaptivePolicy, _rank_key
+from policies.adaptive.policy import AdaptivePolicy
+from policies.adaptive.ranking import rank_key
 from policies.adaptive.scoring import Scorer
 from policies.costmodel.calibration import queue_ahead
 from policies.costmodel.estimates import Estimates, PrefillLeg
@@ -314,7 +315,7 @@ def test_a_turn_sure_to_miss_its_itl_objective_does_not_meet_its_objectives(
 
     # TTFT just within the objective, decoding amid slow steps; or 1% late, decoding calmly.
     meets, late = candidate(1990.0, exposure), candidate(2020.0, 0.0)
-    key = _rank_key(_turn_with_ttft(2000.0))
+    key = rank_key(_turn_with_ttft(2000.0))
     assert min((meets, late), key=key) is (meets if first == "meets" else late)
 
 
@@ -349,10 +350,10 @@ def test_a_turn_on_time_at_a_miss_more_of_the_others_does_not_meet_its_objective
 
     # Recomputed on another worker in time at that harm, or colocated late where it lives.
     meets, late = candidate("recompute", 1000.0, harm), candidate("colocate", 2500.0, usual)
-    key = _rank_key(_turn_with_ttft(2000.0), late)
+    key = rank_key(_turn_with_ttft(2000.0), late)
     assert min((meets, late), key=key) is (meets if first == "meets" else late)
     # Without a reference harm (a new session's reference is being chosen) no gate applies.
-    assert min((meets, late), key=_rank_key(_turn_with_ttft(2000.0))) is meets
+    assert min((meets, late), key=rank_key(_turn_with_ttft(2000.0))) is meets
 
 
 def test_a_decode_leg_waits_for_room_on_a_full_worker_even_behind_a_long_prefill_queue() -> None:

@@ -7,7 +7,14 @@ A fleet the screen covers is placed as before (the double decision of each turn 
 the policy's mean placed prefill, hence a rare difference). Past it the fleets drawn here are
 adversarial, each worker's load, KV usage and streams drawn independently: the screen finds
 the exhaustive choice on 50 to 80% of turns (more as it grows: 16 workers 70 to 93%, 24 79
-to 98%); the floors below guard that, they do not bound the cost of the rest."""
+to 98%); the floors below guard that. What the rest costs is bounded by a stated tolerance
+(`test_a_large_fleet_costs_little_more_than_the_exhaustive_search`): the screened choice,
+priced by the exhaustive search's scorer on the same state, costs at most `MEAN_GAP` more
+than the exhaustive choice (in `Candidate.cost` units: expected objective misses plus the
+weighed TTFT and GPU time) on average, at most `P90_GAP` on nine turns in ten, and where the
+exhaustive choice meets the turn's objectives the screened one does on 98% of turns. Measured
+at SCREENED_WORKERS=8: mean 0.01 to 0.09, p90 up to 0.30, 0 to 3 turns of 240 in objective.
+"""
 
 from __future__ import annotations
 
@@ -17,7 +24,9 @@ from collections.abc import Iterator
 import pytest
 
 from policies.adaptive import tuning
+from policies.adaptive.candidates import Candidate
 from policies.adaptive.policy import AdaptivePolicy
+from policies.adaptive.ranking import Search
 from policies.types import (
     ClusterView,
     Decision,
@@ -30,6 +39,8 @@ from policies.types import (
 )
 
 _KV_BYTES = 131072
+MEAN_GAP = 0.15
+P90_GAP = 0.4
 
 
 def _turns(count: int, layout: str, turns: int, seed: int) -> Iterator[tuple[Turn, ClusterView]]:
@@ -118,3 +129,54 @@ def test_a_large_fleet_is_mostly_placed_as_the_exhaustive_search_places_it(
     count: int, layout: str, seed: int, floor: float
 ) -> None:
     assert _agreement(count, layout, seed) >= floor
+
+
+def _priced(exhaustive: Search, screened: Candidate) -> Candidate:
+    """The screened choice as the exhaustive search's scorer prices it."""
+    scorer, index = exhaustive.scorer, exhaustive.index
+    first = index[screened.workers[0]]
+    held = scorer.hold(first) if screened.hold_ms > 0.0 else None
+    if len(screened.workers) == 1:
+        return scorer.whole(first, held)
+    return scorer.handoff(first, index[screened.workers[1]], screened.action, held)
+
+
+def _rank_cost(candidate: Candidate, reference: Candidate) -> float:
+    """The cost the ranking compares: off the reference's placement, with the margin."""
+    same = candidate.workers == reference.workers and candidate.action == reference.action
+    return candidate.cost + (0.0 if same else tuning.SEPARATION_MARGIN)
+
+
+def _meets(candidate: Candidate, objective_ms: float) -> bool:
+    return candidate.ttft_ms <= objective_ms and candidate.exposure < 1.0
+
+
+@pytest.mark.parametrize(
+    ("count", "layout", "seed"),
+    [(32, "mixed", 1), (64, "mixed", 2), (128, "mixed", 3), (64, "split", 2), (128, "split", 3)],
+)
+def test_a_large_fleet_costs_little_more_than_the_exhaustive_search(
+    count: int, layout: str, seed: int
+) -> None:
+    policy = AdaptivePolicy()
+    gaps: list[float] = []
+    lost = 0
+    pending: list[tuple[Turn, Decision]] = []
+    for turn, view in _turns(count, layout, 240, seed):
+        policy._exhaustive = True
+        theirs = policy.search(turn, view)
+        policy._exhaustive = False
+        mine = policy.search(turn, view)
+        assert theirs is not None and mine is not None
+        priced = _priced(theirs, mine.best)
+        reference = theirs.reference
+        gaps.append(_rank_cost(priced, reference) - _rank_cost(theirs.best, reference))
+        objective = turn.objectives.ttft_ms
+        lost += _meets(theirs.best, objective) and not _meets(priced, objective)
+        pending.append((turn, policy.decide(turn, view)))
+        if len(pending) > 16:
+            policy.observe(_outcome(*pending.pop(0)))
+    gaps.sort()
+    assert sum(gaps) / len(gaps) <= MEAN_GAP
+    assert gaps[len(gaps) * 9 // 10] <= P90_GAP
+    assert lost <= 0.02 * len(gaps)

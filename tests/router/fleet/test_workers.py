@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from policies.types import idle_link_bps
 from router.config import WorkerSpec
 from router.fleet.telemetry import WorkerLoad
-from router.fleet.workers import WorkerPool
+from router.fleet.workers import WorkerPool, nic_bps
 from router.obs.events import StageClock
 from router.turn.legs import LegRunner
 
@@ -53,3 +54,13 @@ def test_a_request_counts_as_begun_until_a_scrape_sees_it() -> None:
         pool.on_scrape("w1", None, False)  # a failed scrape saw nothing: the count stays
         assert _view(pool, fleet) == (1, 1, 1, 1)
     assert _view(pool, fleet) == (1, 1, 0, 0)
+
+
+def test_a_worker_view_carries_its_nic_rate_as_its_declared_links_take_it() -> None:
+    """A view implies an idle link at its ends' lower NIC rate (`policies.types`): the rate
+    the router declares the link at (`router.app`)."""
+    pool = WorkerPool([WorkerSpec(url="http://127.0.0.1:9", id="w1", nic_gbps=200.0),
+                       WorkerSpec(url="http://127.0.0.1:10", id="w2")])  # fmt: skip
+    one, two = pool.views({}, now=0.0)
+    assert (one.nic_bps, two.nic_bps) == (25e9, 50e9)
+    assert idle_link_bps(one, two) == nic_bps(min(200.0, 400.0))

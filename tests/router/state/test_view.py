@@ -84,3 +84,33 @@ def test_a_local_reservation_counts_until_it_expires() -> None:
     assert {(v.src, v.dst): v.reserved_bytes for v in fleet.policy_links(NOW + 25)}[
         ("p0", "d0")
     ] == 0
+
+
+def _implied(src: str, dst: str) -> float:
+    return 50e9 if src.startswith("p") and src != dst else 0.0
+
+
+@pytest.mark.parametrize("before", [True, False], ids=["set before", "set after"])
+def test_idle_links_the_view_implies_are_left_out(before: bool) -> None:
+    """Only links holding bytes, or whose capacity is not the implied one, are listed; a
+    link that takes a reservation is listed until it is released."""
+    fleet = FleetView()
+    if before:
+        fleet.leave_out_idle(_implied)
+    fleet.set_capacity("p0", "d0", 50e9)
+    fleet.set_capacity("p0", "d1", 40e9)  # not the implied rate
+    fleet.put_link(LinkState("d0", "d1", capacity_bps=25e9, migration_bytes=4096, as_of=NOW))
+    if not before:
+        fleet.leave_out_idle(_implied)
+    assert [(v.src, v.dst) for v in fleet.policy_links(NOW)] == [("p0", "d1"), ("d0", "d1")]
+    fleet.put_link(LinkState("p0", "d0", capacity_bps=50e9, handoff_bytes=100, reservations=1,
+                             as_of=NOW))  # fmt: skip
+    busy = {(v.src, v.dst): v.reserved_bytes for v in fleet.policy_links(NOW)}
+    assert busy == {("p0", "d1"): 0, ("d0", "d1"): 0, ("p0", "d0"): 100}
+    fleet.drop_reservation(Reservation("x", "p0", "d0", 100, "handoff", NOW + 30))
+    assert {(v.src, v.dst) for v in fleet.policy_links(NOW)} == {("p0", "d1"), ("d0", "d1")}
+    fleet.add_local_reservation(handoff("r1", 777, NOW + 10))  # only this replica knows it
+    local = {(v.src, v.dst): v.reserved_bytes for v in fleet.policy_links(NOW)}
+    assert local[("p0", "d0")] == 777
+    assert ("p0", "d0") not in {(v.src, v.dst) for v in fleet.policy_links(NOW + 10)}
+    assert fleet.policy_links(NOW + 11) is fleet.policy_links(NOW + 12)  # shared while idle
