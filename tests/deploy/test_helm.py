@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from router.config import RouterConfig, load_config
+from router.config import load_config
 from session_router_cli import build_parser
 from tests.procs import ROOT
 
@@ -164,8 +164,6 @@ def test_static_workers_configuration_loads_in_the_router(tmp_path: Path) -> Non
 
 
 def test_example_configuration_loads_in_the_router(tmp_path: Path) -> None:
-    if "discovery" not in RouterConfig.__struct_fields__:
-        pytest.skip("Kubernetes discovery (issue 43 item 1) is not on this branch")
     path = tmp_path / "router.toml"
     path.write_text(one(render(SCENARIOS["example vLLM P/D fleet"]), "ConfigMap")["data"][
         "router.toml"])  # fmt: skip
