@@ -7,7 +7,9 @@ compiles `MODULES` into `.native-policies/` beside the checkout. The packages ho
 while the manifest written with them names the same Python and the same source hashes: an
 edited source is never shadowed by a stale build, and without a build (no C compiler) the
 policy runs its sources, the same only slower. SESSION_ROUTER_NATIVE=0 runs the sources all the
-same. This module only reads the build; it imports nothing outside `policies`.
+same. This module only reads builds, and imports nothing outside `policies`; its
+`CompiledBuild` loads the router's hot path too (`router.native`), which may import `policies`
+where `policies` may import no `router`.
 
 A module defining a msgspec Struct cannot be compiled (mypyc drops its class options), nor one
 whose classes an interpreted one subclasses (the tests check `WorkLedger` against a
@@ -46,9 +48,67 @@ LAYOUT = 2  # how a build is laid out in `out`; a build of another layout is sta
 GROUP = "policies_native"  # the shared library every compiled module links: top-level name
 DISABLE = "SESSION_ROUTER_NATIVE"
 
-active = False  # the compiled modules are on the path
-status = "off: not built"  # why (or where from)
-_fresh: dict[tuple[Path, Path, tuple[str, ...]], bool] = {}
+
+class CompiledBuild:
+    """One mypyc build in `out` of `modules` under `root`: whether it is fresh, and putting it
+    ahead of the sources. `active` and `status` say whether it is on, and why (or where
+    from). The router's hot path (`router.native`) is another build of this kind."""
+
+    def __init__(self, root: Path, out: Path, modules: tuple[str, ...]) -> None:
+        self.root, self.out, self.modules = root, out, modules
+        self.active = False
+        self.status = "off: not built"
+        self._fresh: dict[tuple[Path, Path, tuple[str, ...]], bool] = {}
+
+    def activate(
+        self, package_path: list[str], package: str, root: Path | None = None,
+        out: Path | None = None, modules: tuple[str, ...] | None = None,
+    ) -> bool:  # fmt: skip
+        """Put the compiled modules of `package` ahead of its sources on `package_path` (the
+        package's `__path__`), when the build in `out` is of `modules` as they are now and
+        not disabled."""
+        root, out = root or self.root, out or self.out
+        modules = self.modules if modules is None else modules
+        if os.environ.get(DISABLE, "1") == "0":
+            self.status = f"off: {DISABLE}=0"
+            return False
+        fresh = self._fresh.get((root, out, modules))
+        if fresh is None:
+            fresh = self._fresh[(root, out, modules)] = self.is_fresh(root, out, modules)
+        compiled = out.joinpath(*package.split("."))
+        if not fresh or not compiled.is_dir():
+            return False
+        library = str(out / LIBRARY)
+        if library not in sys.path:
+            # the shared library is a top-level module, alone in its folder: `out` itself on
+            # sys.path would make a fresh `import` of the package (a spawned child inherits
+            # sys.path) a namespace package of only the compiled modules
+            sys.path.append(library)
+        if str(compiled) not in package_path:
+            package_path.insert(0, str(compiled))
+        self.active, self.status = True, f"on: {out}"
+        return True
+
+    def is_fresh(
+        self, root: Path | None = None, out: Path | None = None,
+        modules: tuple[str, ...] | None = None,
+    ) -> bool:  # fmt: skip
+        """Whether the build in `out` is of `modules` as they are now, on this Python."""
+        root, out = root or self.root, out or self.out
+        modules = self.modules if modules is None else modules
+        try:
+            built = json.loads((out / MANIFEST).read_text())
+        except (OSError, ValueError):
+            self.status = "off: not built (make install builds it)"
+            return False
+        try:
+            current: dict[str, object] | None = fingerprint(root, modules)
+        except OSError:
+            current = None
+        if built != current:
+            self.status = "off: the build is older than the sources (make native rebuilds it)"
+            return False
+        return True
 
 
 def fingerprint(root: Path, modules: tuple[str, ...] = MODULES) -> dict[str, object]:
@@ -58,47 +118,15 @@ def fingerprint(root: Path, modules: tuple[str, ...] = MODULES) -> dict[str, obj
             "layout": LAYOUT, "sources": sources}  # fmt: skip
 
 
-def activate(
-    package_path: list[str], package: str, root: Path = ROOT, out: Path = OUT,
-    modules: tuple[str, ...] = MODULES,
-) -> bool:  # fmt: skip
-    """Put the compiled modules of `package` ahead of its sources on `package_path` (the
-    package's `__path__`), when the build in `out` is of `modules` as they are now and not
-    disabled."""
-    global active, status
-    if os.environ.get(DISABLE, "1") == "0":
-        status = f"off: {DISABLE}=0"
-        return False
-    fresh = _fresh.get((root, out, modules))
-    if fresh is None:
-        fresh = _fresh[(root, out, modules)] = is_fresh(root, out, modules)
-    compiled = out.joinpath(*package.split("."))
-    if not fresh or not compiled.is_dir():
-        return False
-    library = str(out / LIBRARY)
-    if library not in sys.path:
-        # the shared library alone in its folder: `out` itself on sys.path would make a
-        # fresh `import policies` a namespace package of only the compiled modules
-        sys.path.append(library)
-    if str(compiled) not in package_path:
-        package_path.insert(0, str(compiled))
-    active, status = True, f"on: {out}"
-    return True
+BUILD = CompiledBuild(ROOT, OUT, MODULES)
+activate = BUILD.activate
+is_fresh = BUILD.is_fresh
 
 
-def is_fresh(root: Path = ROOT, out: Path = OUT, modules: tuple[str, ...] = MODULES) -> bool:
-    """Whether the build in `out` is of `modules` as they are now, on this Python."""
-    global status
-    try:
-        built = json.loads((out / MANIFEST).read_text())
-    except (OSError, ValueError):
-        status = "off: not built (make install builds it)"
-        return False
-    try:
-        current: dict[str, object] | None = fingerprint(root, modules)
-    except OSError:
-        current = None
-    if built != current:
-        status = "off: the build is older than the sources (make native rebuilds it)"
-        return False
-    return True
+def __getattr__(name: str) -> bool | str:
+    # `active` and `status` are the build's, read as this module's
+    if name == "active":
+        return BUILD.active
+    if name == "status":
+        return BUILD.status
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,12 +16,9 @@ from __future__ import annotations
 
 import argparse
 import ast
-import hashlib
 import json
 import os
 import shutil
-import sys
-import sysconfig
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -48,68 +45,30 @@ MODULES = (
 )
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / ".native"
-MANIFEST = "manifest.json"
-LIBRARY = "lib"  # the folder of the shared library, beside the compiled packages
-LAYOUT = 2  # how a build is laid out in `out`; a build of another layout is stale
 GROUP = "router_native"  # the shared library every compiled module links: top-level name
-DISABLE = "SESSION_ROUTER_NATIVE"
+# the manifest, the library folder and the switch are those of every build
+MANIFEST = policies_native.MANIFEST
+LIBRARY = policies_native.LIBRARY
+DISABLE = policies_native.DISABLE
 
-active = False  # the compiled modules are on the path
-status = "off: not built"  # why (or where from), for the serve command's log line
-_fresh: dict[tuple[Path, Path, tuple[str, ...]], bool] = {}
+BUILD = policies_native.CompiledBuild(ROOT, OUT, MODULES)
+activate = BUILD.activate
+_is_fresh = BUILD.is_fresh
 
 
 def fingerprint(root: Path, modules: tuple[str, ...] = MODULES) -> dict[str, object]:
     """What a build is valid for: this Python, and each compiled module's source."""
-    sources = {m: hashlib.sha256((root / m).read_bytes()).hexdigest() for m in modules}
-    return {"python": sys.version, "ext": sysconfig.get_config_var("EXT_SUFFIX"),
-            "layout": LAYOUT, "sources": sources}  # fmt: skip
+    return policies_native.fingerprint(root, modules)
 
 
-def activate(
-    package_path: list[str], package: str, root: Path = ROOT, out: Path = OUT,
-    modules: tuple[str, ...] = MODULES,
-) -> bool:  # fmt: skip
-    """Put the compiled modules of `package` ahead of its sources on `package_path` (the
-    package's `__path__`), when the build in `out` is of `modules` as they are now and not
-    disabled."""
-    global active, status
-    if os.environ.get(DISABLE, "1") == "0":
-        status = f"off: {DISABLE}=0"
-        return False
-    fresh = _fresh.get((root, out, modules))
-    if fresh is None:
-        fresh = _fresh[(root, out, modules)] = _is_fresh(root, out, modules)
-    compiled = out.joinpath(*package.split("."))
-    if not fresh or not compiled.is_dir():
-        return False
-    library = str(out / LIBRARY)
-    if library not in sys.path:
-        # the shared library is a top-level module, alone in its folder: `out` itself on
-        # sys.path would make a fresh `import router` (a spawned child inherits sys.path) a
-        # namespace package of only the compiled modules
-        sys.path.append(library)
-    if str(compiled) not in package_path:
-        package_path.insert(0, str(compiled))
-    active, status = True, f"on: {out}"
-    return True
-
-
-def _is_fresh(root: Path, out: Path, modules: tuple[str, ...] = MODULES) -> bool:
-    global status
-    try:
-        built = json.loads((out / MANIFEST).read_text())
-    except (OSError, ValueError):
-        status = "off: not built (make install builds it)"
-        return False
-    try:
-        current: dict[str, object] | None = fingerprint(root, modules)
-    except OSError:
-        current = None
-    if built != current:
-        status = "off: the build is older than the sources (make native rebuilds it)"
-        return False
-    return True
+def __getattr__(name: str) -> bool | str:
+    # `active` (the compiled modules are on the path) and `status` (why, or where from, for
+    # the serve command's log line) are the build's, read as this module's
+    if name == "active":
+        return BUILD.active
+    if name == "status":
+        return BUILD.status
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def defines_struct(source: str) -> bool:
@@ -156,13 +115,13 @@ def _run(args: argparse.Namespace) -> int:
     if args.action == "build" and not (args.if_stale and fresh):
         build()
         fresh = _is_fresh(ROOT, OUT)
-    print("native hot path:", "on" if fresh else status)
+    print("native hot path:", "on" if fresh else BUILD.status)
     # the adaptive policy's hot path (`policies.native` loads it; policies import no router)
     policy = policies_native.is_fresh()
     if args.action == "build" and not (args.if_stale and policy):
         build(ROOT, policies_native.OUT, policies_native.MODULES, policies_native.GROUP)
         policy = policies_native.is_fresh()
-    print("native policies:", "on" if policy else policies_native.status)
+    print("native policies:", "on" if policy else policies_native.BUILD.status)
     return 0 if (fresh and policy) or args.action == "status" else 1
 
 

@@ -34,9 +34,9 @@ def _tree(tmp_path: Path) -> tuple[Path, Path]:
 
 @pytest.fixture(autouse=True)
 def _fresh_state(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(native, "_fresh", {})
-    monkeypatch.setattr(native, "status", "off: not built")
-    monkeypatch.setattr(native, "active", False)
+    monkeypatch.setattr(native.BUILD, "_fresh", {})
+    monkeypatch.setattr(native.BUILD, "status", "off: not built")
+    monkeypatch.setattr(native.BUILD, "active", False)
     monkeypatch.delenv(native.DISABLE, raising=False)
 
 
