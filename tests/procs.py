@@ -35,7 +35,9 @@ class Process:
             self._log_file.flush()
         return self.log.read_text(errors="replace")
 
-    def wait_healthy(self, urls: Sequence[str], timeout_s: float = 30.0) -> None:
+    def wait_healthy(
+        self, urls: Sequence[str], timeout_s: float = 30.0, path: str = "/health"
+    ) -> None:
         deadline = time.monotonic() + timeout_s
         pending = list(urls)
         while pending:
@@ -44,7 +46,7 @@ class Process:
                 self.stop()
                 raise RuntimeError(f"{self.args} exited early:\n{output}")
             try:
-                with urllib.request.urlopen(pending[0] + "/health", timeout=1) as response:
+                with urllib.request.urlopen(pending[0] + path, timeout=1) as response:
                     if response.status == 200:
                         pending.pop(0)
                         continue

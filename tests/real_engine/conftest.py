@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -25,6 +23,7 @@ from bench.stack.up import free_port_block
 from bench.vllm.fleet import FleetSpec, VllmFleet, kv_bytes_per_token
 from bench.vllm.install import DEFAULT_CACHE
 from router.fleet.prom_text import parse_samples
+from tests.procs import Process
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV = ROOT / os.environ.get("SESSION_ROUTER_VLLM_VENV", ".venv-vllm")  # relative: to ROOT
@@ -75,18 +74,18 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
 
 
 class Router:
-    """`session-router serve` in front of the given workers, with its own embedded Redis."""
+    """`session-router serve` in front of the given workers, with its own embedded Redis,
+    ready (its workers scraped) when made."""
 
     def __init__(
-        self, workers: Sequence[tuple[str, str]], policy: str, log: Path,
+        self, workers: Sequence[tuple[str, str]], policy: str,
         params: Sequence[str] = (), extra: Sequence[str] = (),
     ) -> None:  # fmt: skip
         self.port = free_port_block(HOST, 1)
         self.url = f"http://{HOST}:{self.port}"
         args = [
-            sys.executable, "-m", "session_router_cli", "serve", "--host", HOST,
-            "--port", str(self.port), "--redis", "embedded", "--policy", policy,
-            "--admin-token", ADMIN_TOKEN, "--scrape-interval-ms", "200",
+            "serve", "--host", HOST, "--port", str(self.port), "--redis", "embedded",
+            "--policy", policy, "--admin-token", ADMIN_TOKEN, "--scrape-interval-ms", "200",
             "--kv-bytes-per-token", str(kv_bytes_per_token(MODEL)),
             "--tokenizer", str(MODEL / "tokenizer.json"), "--priority-scheduling",
             "--allow-policy-import",
@@ -95,27 +94,8 @@ class Router:
             args += ["--policy-param", param]
         for role, url in workers:
             args += [f"--{role}", url]
-        self.log = log
-        self._log = log.open("ab")
-        self.process = subprocess.Popen(
-            [*args, *extra], cwd=ROOT, stdin=subprocess.DEVNULL, stdout=self._log,
-            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )  # fmt: skip
-        self._wait_ready()
-
-    def _wait_ready(self, timeout_s: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"router exited at start:\n{self.log.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/ready", timeout=1) as answer:
-                    if answer.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"router not ready in {timeout_s} s:\n{self.log.read_text()[-3000:]}")
+        self.process = Process([*args, *extra])
+        self.process.wait_healthy([self.url], timeout_s=60, path="/ready")
 
     def admin(self, method: str, path: str) -> object:
         request = urllib.request.Request(
@@ -127,30 +107,22 @@ class Router:
 
     def decisions(self) -> list[dict[str, object]]:
         found = self.admin("GET", "decisions?limit=1000")
-        assert isinstance(found, dict | list)
-        records = found.get("decisions", []) if isinstance(found, dict) else found
-        return list(records)
+        assert isinstance(found, dict)
+        return list(found["decisions"])
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self._log.close()
+        self.process.stop(timeout_s=30)
 
 
 @pytest.fixture
-def start_router(tmp_path: Path) -> Iterator[object]:
+def start_router() -> Iterator[object]:
     routers: list[Router] = []
 
     def start(
         workers: Sequence[tuple[str, str]], policy: str, params: Sequence[str] = (),
         extra: Sequence[str] = (),
     ) -> Router:  # fmt: skip
-        router = Router(workers, policy, tmp_path / f"router-{len(routers)}.log", params, extra)
+        router = Router(workers, policy, params, extra)
         routers.append(router)
         return router
 

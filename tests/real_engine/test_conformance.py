@@ -10,9 +10,6 @@ prompt, its bytes by its own whole blocks.
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,25 +19,9 @@ from bench.stack.up import free_port_block
 from sim.worker.conformance import ROUTER_METRICS, compare_json, compare_metrics, compare_reply
 from tests.procs import Process
 from tests.real_engine.conftest import MODEL, engine_counters, words
+from tests.vllm_wire import handoff, request
 
 SIM_MODEL = str(MODEL)  # served under the same name, so that replies' `model` agree
-PREFILL_LEG = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-               "remote_block_ids": None, "remote_host": None, "remote_port": None}  # fmt: skip
-
-
-def _request(url: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as response:
-            raw, status = response.read(), response.status
-    except urllib.error.HTTPError as exc:
-        raw, status = exc.read(), exc.code
-    text = raw.decode()
-    if text.startswith("data: "):
-        return status, [json.loads(line[6:]) for line in text.splitlines()
-                        if line.startswith("data: {")]  # fmt: skip
-    return status, json.loads(text) if text.startswith("{") else text
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +67,8 @@ def _scenarios(seed: int) -> list[tuple[str, str, dict[str, Any]]]:
 def test_every_scenario_answers_alike(fleet: list[str], simulated: list[str]) -> None:
     differences = []
     for name, path, body in _scenarios(41):
-        real_status, real = _request(fleet[0] + path, body)
-        sim_status, sim = _request(simulated[0] + path, body)
+        real_status, real = request(fleet[0] + path, body)
+        sim_status, sim = request(simulated[0] + path, body)
         if real_status != sim_status:
             differences.append(f"{name}: status {real_status} real, {sim_status} simulated")
             continue
@@ -106,27 +87,13 @@ def test_every_scenario_answers_alike(fleet: list[str], simulated: list[str]) ->
     assert differences == [], "\n".join(differences)
 
 
-def _handoff(prefill: str, decode: str, prompt: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    status, first = _request(prefill + "/v1/completions", {
-        "model": str(MODEL), "prompt": prompt, "max_tokens": 1, "stream": False,
-        "kv_transfer_params": PREFILL_LEG,
-    })  # fmt: skip
-    assert status == 200, first
-    status, second = _request(decode + "/v1/completions", {
-        "model": str(MODEL), "prompt": prompt, "max_tokens": 8, "ignore_eos": True,
-        "kv_transfer_params": first["kv_transfer_params"],
-    })  # fmt: skip
-    assert status == 200, second
-    return first, second
-
-
 def test_a_handoff_reads_alike_on_both(fleet: list[str], simulated: list[str]) -> None:
     prompt = words(42, 700)
     sides = {"real": (fleet[0], fleet[1]), "simulated": (simulated[0], simulated[1])}
     replies, grew = {}, {}
     for side, (prefill, decode) in sides.items():
         before = engine_counters(decode)
-        replies[side] = _handoff(prefill, decode, prompt)
+        replies[side] = handoff(prefill, decode, str(MODEL), prompt)
         after = engine_counters(decode)
         grew[side] = {key: after[key] - before.get(key, 0.0) for key in after}
     (real_first, real_second), (sim_first, sim_second) = replies["real"], replies["simulated"]
@@ -147,6 +114,6 @@ def test_a_handoff_reads_alike_on_both(fleet: list[str], simulated: list[str]) -
 def test_pages_carry_the_router_metrics_alike(
     fleet: list[str], simulated: list[str], which: int
 ) -> None:
-    real = _request(fleet[which] + "/metrics")[1]
-    sim = _request(simulated[which] + "/metrics")[1]
+    real = request(fleet[which] + "/metrics")[1]
+    sim = request(simulated[which] + "/metrics")[1]
     assert compare_metrics(real, sim, ROUTER_METRICS) == []

@@ -9,8 +9,6 @@ on two simulated workers of the same shape and compared with `sim.worker.conform
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,13 +22,13 @@ from sim.worker.conformance import (
     compare_metrics,
     compare_reply,
 )
+from tests import vllm_wire
 from tests.procs import Process
+from tests.vllm_wire import PREFILL_LEG, request
 
 CAPTURES = Path(__file__).resolve().parents[2] / "fixtures" / "vllm_0_32"
 MODEL = "/models/tiny-llama"
 PROMPT = " ".join(f"w{i}" for i in range(1107))  # 1,107 tokens to the simulated tokenizer
-PREFILL_LEG = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-               "remote_block_ids": None, "remote_host": None, "remote_port": None}  # fmt: skip
 # What one handoff must leave on both engines' pages, exactly as in the captures.
 SAME_VALUES = (
     "vllm:num_requests_running", "vllm:num_requests_waiting",
@@ -43,20 +41,6 @@ SAME_VALUES = (
 
 def capture(name: str) -> str:
     return (CAPTURES / name).read_text()
-
-
-def request(url: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
-    data = None if body is None else json.dumps(body).encode()
-    headers = {"Content-Type": "application/json", "X-Request-Id": "conformance"}
-    req = urllib.request.Request(url, data=data, headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=30) as response:
-            raw = response.read()
-            status = response.status
-    except urllib.error.HTTPError as exc:
-        raw, status = exc.read(), exc.code
-    text = raw.decode()
-    return status, json.loads(text) if text.startswith("{") else text
 
 
 def cluster(*options: str) -> Iterator[list[str]]:
@@ -74,17 +58,7 @@ def cluster(*options: str) -> Iterator[list[str]]:
 
 def handoff(prefill: str, decode: str) -> tuple[Any, Any]:
     """The captured scenario: a prefill leg, then a decode leg of 8 tokens with its params."""
-    status, first = request(prefill + "/v1/completions", {
-        "model": MODEL, "prompt": PROMPT, "max_tokens": 1, "stream": False,
-        "kv_transfer_params": PREFILL_LEG,
-    })  # fmt: skip
-    assert status == 200, first
-    status, second = request(decode + "/v1/completions", {
-        "model": MODEL, "prompt": PROMPT, "max_tokens": 8, "ignore_eos": True,
-        "kv_transfer_params": first["kv_transfer_params"],
-    })  # fmt: skip
-    assert status == 200, second
-    return first, second
+    return vllm_wire.handoff(prefill, decode, MODEL, PROMPT)
 
 
 @pytest.fixture(scope="module")
