@@ -17,6 +17,7 @@ from typing import Literal
 import msgspec
 
 from bench.vllm.engine import EngineSpec, VllmEngine
+from policies.costmodel.priors import DTYPE_BYTES, ModelPrior
 from policies.types import Role
 
 
@@ -63,13 +64,19 @@ def engine_specs(spec: FleetSpec, cpus: Sequence[int]) -> list[EngineSpec]:
 
 def kv_bytes_per_token(model_dir: str | Path) -> int:
     """A token's KV bytes in the engine's cache for the model at `model_dir` (its
-    config.json): K and V of every layer's key/value heads, in the model's dtype."""
+    config.json), by the cost model's formula (`ModelPrior.kv_bytes_per_token`, bf16) scaled
+    to the model's dtype."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
-    heads = config.get("num_key_value_heads") or config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    heads = int(config["num_attention_heads"])
+    shape = ModelPrior(
+        name=str(model_dir), layers=int(config["num_hidden_layers"]),
+        hidden_size=int(config["hidden_size"]), heads=heads,
+        kv_heads=int(config.get("num_key_value_heads") or heads),
+        head_dim=int(config.get("head_dim") or config["hidden_size"] // heads), params=0.0,
+    )  # fmt: skip
     dtype = str(config.get("dtype") or config.get("torch_dtype") or "bfloat16")
     width = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}.get(dtype, 2)
-    return 2 * int(config["num_hidden_layers"]) * int(heads) * int(head_dim) * width
+    return shape.kv_bytes_per_token * width // DTYPE_BYTES
 
 
 class VllmFleet:
