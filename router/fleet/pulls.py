@@ -17,14 +17,13 @@ SMOOTHING = 0.3  # weight of the newest interval that saw pulls
 class PullMeter:
     """Seconds per byte of one worker's KV pulls, from its scraped cumulative counters."""
 
-    __slots__ = ("_bytes", "_pulls", "_seconds", "pulls_seen", "seconds_per_byte")
+    __slots__ = ("_bytes", "_pulls", "_seconds", "seconds_per_byte")
 
     def __init__(self) -> None:
         self._pulls: int | None = None
         self._seconds = 0.0
         self._bytes = 0.0
         self.seconds_per_byte: float | None = None
-        self.pulls_seen = 0
 
     def update(self, load: WorkerLoad) -> None:
         """One scrape's counters. A counter that went down (the engine restarted) starts the
@@ -33,14 +32,10 @@ class PullMeter:
         if pulls is None or seconds is None or nbytes is None:
             return
         previous = self._pulls
-        grew = previous is not None and pulls > previous
         added_seconds, added_bytes = seconds - self._seconds, nbytes - self._bytes
         self._pulls, self._seconds, self._bytes = pulls, seconds, nbytes
-        if previous is None or pulls < previous or not grew:
+        if previous is None or pulls <= previous or added_seconds <= 0.0 or added_bytes <= 0.0:
             return
-        if added_seconds <= 0.0 or added_bytes <= 0.0:
-            return
-        self.pulls_seen += pulls - previous
         rate = added_seconds / added_bytes
         known = self.seconds_per_byte
         self.seconds_per_byte = rate if known is None else known + SMOOTHING * (rate - known)
