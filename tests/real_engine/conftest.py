@@ -17,6 +17,7 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import openai
 import pytest
 
 from bench.stack.up import free_port_block
@@ -96,6 +97,11 @@ class Router:
             args += [f"--{role}", url]
         self.process = Process([*args, *extra])
         self.process.wait_healthy([self.url], timeout_s=60, path="/ready")
+
+    def client(self, session: str) -> openai.OpenAI:
+        """The openai client, its turns of `session`."""
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0,
+                             timeout=120, default_headers={"X-Session-ID": session})  # fmt: skip
 
     def admin(self, method: str, path: str) -> object:
         request = urllib.request.Request(

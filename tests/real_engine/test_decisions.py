@@ -35,11 +35,6 @@ StartRouter = Callable[..., Router]
 SCRIPTED = "tests.e2e.scripted_policies:Scripted"
 
 
-def _client(router: Router, session: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0,
-                         timeout=120, default_headers={"X-Session-ID": session})  # fmt: skip
-
-
 def _turns(client: openai.OpenAI, seed: int, turns: int) -> list[Any]:
     history: list[dict[str, str]] = []
     answers = []
@@ -64,7 +59,7 @@ def test_migrate_moves_the_session_by_transfer(fleet: list[str], start_router: S
     router = start_router([("mixed", a), ("mixed", b)], SCRIPTED,
                           params=["plan=colocate:0;migrate:0>1;colocate:1"])  # fmt: skip
     before = engine_counters(b)
-    answers = _turns(_client(router, "migrate"), 11, 3)
+    answers = _turns(router.client("migrate"), 11, 3)
     after = engine_counters(b)
     actions = [d["action"] for d in _decisions(router, "migrate")]
     assert actions == ["colocate", "migrate", "colocate"]
@@ -82,7 +77,7 @@ def test_recompute_prefills_the_whole_context_elsewhere(
     router = start_router([("mixed", a), ("mixed", b)], SCRIPTED,
                           params=["plan=colocate:0;recompute:1"])  # fmt: skip
     before = engine_counters(b)
-    answers = _turns(_client(router, "recompute"), 12, 2)
+    answers = _turns(router.client("recompute"), 12, 2)
     after = engine_counters(b)
     decisions = _decisions(router, "recompute")
     assert [d["action"] for d in decisions] == ["colocate", "recompute"]
@@ -223,7 +218,7 @@ def test_decode_leg_500_after_a_good_prefill_is_retried_as_a_local_prefill(
             params=["plan=handoff:0>1"],
         )  # fmt: skip
         before = engine_counters(spare)
-        answer = _client(router, "decode-500").completions.create(
+        answer = router.client("decode-500").completions.create(
             model=str(MODEL), prompt=words(21, 400), max_tokens=8, temperature=0.0,
             extra_body={"ignore_eos": True},
         )  # fmt: skip

@@ -17,13 +17,6 @@ from tests.real_engine.conftest import MODEL, Router, engine_counters, words
 StartRouter = Callable[..., Router]
 
 
-def _client(router: Router, session: str) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=f"{router.url}/v1", api_key="unused", max_retries=0, timeout=120,
-        default_headers={"X-Session-ID": session},
-    )  # fmt: skip
-
-
 def _greedy(**extra: Any) -> dict[str, Any]:
     return {"temperature": 0.0, "extra_body": {"ignore_eos": True}, **extra}
 
@@ -32,7 +25,7 @@ def test_colocate_second_turn_hits_the_prefix_cache(
     fleet: list[str], start_router: StartRouter
 ) -> None:
     router = start_router([("mixed", fleet[0])], "colocate")
-    client = _client(router, "prefix-hits")
+    client = router.client("prefix-hits")
     history = [{"role": "user", "content": words(1, 400)}]
     first = client.chat.completions.create(model=str(MODEL), messages=history, max_tokens=8,
                                            **_greedy())  # fmt: skip
@@ -54,7 +47,7 @@ def test_nixl_handoff_moves_the_prompt_and_gives_the_undivided_text(
     router = start_router([("prefill", prefill), ("decode", decode)], "disaggregate")
     prompt = words(3, 700)
     before = engine_counters(decode)
-    split = _client(router, "handoff").completions.create(
+    split = router.client("handoff").completions.create(
         model=str(MODEL), prompt=prompt, max_tokens=24, **_greedy()
     )
     after = engine_counters(decode)
@@ -87,7 +80,7 @@ def test_streams_and_answers_with_usage_as_asked(
 ) -> None:
     router = start_router([("prefill", fleet[1]), ("decode", fleet[2])],
                           "disaggregate")  # fmt: skip
-    client = _client(router, f"wire-{api}-{stream}-{usage}")
+    client = router.client(f"wire-{api}-{stream}-{usage}")
     options: dict[str, Any] = _greedy(max_tokens=12)
     if stream and usage:
         options["stream_options"] = {"include_usage": True}
@@ -133,7 +126,7 @@ def test_engine_errors_pass_through_with_their_status(
     fleet: list[str], start_router: StartRouter
 ) -> None:
     router = start_router([("mixed", fleet[0])], "colocate")
-    client = _client(router, "errors")
+    client = router.client("errors")
     with pytest.raises(openai.BadRequestError) as too_long:
         client.completions.create(model=str(MODEL), prompt=words(6, 5000), max_tokens=4)
     assert too_long.value.status_code == 400
