@@ -95,13 +95,16 @@ class Router:
             args += ["--policy-param", param]
         for role, url in workers:
             args += [f"--{role}", url]
+        self._clients: list[openai.OpenAI] = []
         self.process = Process([*args, *extra])
         self.process.wait_healthy([self.url], timeout_s=60, path="/ready")
 
     def client(self, session: str) -> openai.OpenAI:
-        """The openai client, its turns of `session`."""
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0,
-                             timeout=120, default_headers={"X-Session-ID": session})  # fmt: skip
+        """The openai client, its turns of `session` (closed with the router)."""
+        client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0,
+                               timeout=120, default_headers={"X-Session-ID": session})  # fmt: skip
+        self._clients.append(client)
+        return client
 
     def admin(self, method: str, path: str) -> object:
         request = urllib.request.Request(
@@ -117,6 +120,8 @@ class Router:
         return list(found["decisions"])
 
     def stop(self) -> None:
+        for client in self._clients:
+            client.close()
         self.process.stop(timeout_s=30)
 
 

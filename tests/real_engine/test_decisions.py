@@ -99,10 +99,10 @@ def test_reject_answers_429_or_503_with_retry_after(
     )  # fmt: skip
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(request, timeout=30)
-    answer = refused.value
-    assert answer.code in (429, 503)
-    assert float(answer.headers["retry-after"]) >= 1
-    error = msgspec.json.decode(answer.read())["error"]
+    with refused.value as answer:  # the refusal's connection is closed with it
+        assert answer.code in (429, 503)
+        assert float(answer.headers["retry-after"]) >= 1
+        error = msgspec.json.decode(answer.read())["error"]
     assert {"message", "type", "param", "code"} <= set(error)
     assert [d["action"] for d in _decisions(router, "reject")] == ["reject"]
 

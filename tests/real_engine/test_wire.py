@@ -63,9 +63,9 @@ def test_nixl_handoff_moves_the_prompt_and_gives_the_undivided_text(
     moved = after["vllm:nixl_bytes_transferred_sum"] - before["vllm:nixl_bytes_transferred_sum"]
     assert moved == blocks * 128 * 1024
     # an undivided greedy run of the same prompt on a third engine says the same
-    direct = openai.OpenAI(base_url=f"{whole}/v1", api_key="unused", max_retries=0)
-    undivided = direct.completions.create(model=str(MODEL), prompt=prompt, max_tokens=24,
-                                          **_greedy())  # fmt: skip
+    with openai.OpenAI(base_url=f"{whole}/v1", api_key="unused", max_retries=0) as direct:
+        undivided = direct.completions.create(model=str(MODEL), prompt=prompt, max_tokens=24,
+                                              **_greedy())  # fmt: skip
     assert split.choices[0].text == undivided.choices[0].text
     decision = next(d for d in router.decisions() if d["session_id"] == "handoff")
     assert decision["action"] == "handoff"
