@@ -6,6 +6,11 @@ router) for seconds at a time, while in the same session the worst stall seen wa
 Its OpenMP threads are pinned to the cores given, so that two engines do not share one. It
 writes into a private folder (caches, temporary files) and a log file, and stops on SIGTERM
 (its EngineCore and worker children follow it within seconds).
+
+Once healthy, any of its threads that spins while the engine is idle runs at the lowest
+priority (`calm_spinners`): with a NIXL connector, the transfer library's progress thread
+polls a whole core without pause, the very core its engine computes on, and on a machine
+with fewer cores than engines those threads take the cores from every engine's steps.
 """
 
 from __future__ import annotations
@@ -98,6 +103,41 @@ def serve_env(spec: EngineSpec, workdir: Path, base: dict[str, str]) -> dict[str
     return env
 
 
+# A thread using more than this share of a core while its engine is idle is a busy poller.
+SPINNING_SHARE = 0.25
+SPIN_WINDOW_S = 1.0
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def thread_ticks(pids: list[int]) -> dict[int, int]:
+    """CPU ticks (user + system) each thread of `pids` has used, by thread id."""
+    ticks: dict[int, int] = {}
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                with contextlib.suppress(OSError, ValueError, IndexError):
+                    stat = (task / "stat").read_text()
+                    fields = stat[stat.rindex(")") + 2 :].split()
+                    ticks[int(task.name)] = int(fields[11]) + int(fields[12])
+    return ticks
+
+
+def calm_spinners(pid: int, window_s: float = SPIN_WINDOW_S) -> list[int]:
+    """Put the threads of `pid`'s process family that used more than `SPINNING_SHARE` of a
+    core over `window_s` (the engine idle) at nice 19, so they run only when the cores are
+    not wanted; their ids."""
+    family = [pid, *descendants(pid)]
+    before = thread_ticks(family)
+    time.sleep(window_s)
+    after = thread_ticks(family)
+    most = SPINNING_SHARE * window_s * CLOCK_TICKS
+    spinning = [tid for tid, used in after.items() if used - before.get(tid, used) > most]
+    for tid in spinning:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, tid, 19)
+    return spinning
+
+
 def descendants(pid: int) -> list[int]:
     """The process ids below `pid`, children first (from /proc)."""
     found: list[int] = []
@@ -129,6 +169,8 @@ class VllmEngine:
         self.log_path = workdir / f"{self.name}.log"
         self._log: IO[bytes] | None = None
         self.process: subprocess.Popen[bytes] | None = None
+        # the busy-polling threads `calm_spinners` found once it was healthy
+        self.calmed: list[int] = []
 
     def start(self) -> None:
         if not self.executable.exists():
@@ -151,6 +193,7 @@ class VllmEngine:
             with contextlib.suppress(urllib.error.URLError, OSError):
                 with urllib.request.urlopen(f"{self.spec.url}/health", timeout=2) as answer:
                     if answer.status == 200:
+                        self.calmed = calm_spinners(self.process.pid)
                         return time.monotonic() - started
             if time.monotonic() > deadline:
                 raise EngineFailed(f"{self.name} not healthy in {timeout_s:g} s:\n{self.tail()}")
