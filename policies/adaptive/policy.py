@@ -119,6 +119,7 @@ class AdaptivePolicy:
             kv_capacity_tokens(p.gpu, p.model, p.tp), p.cache_window_s, p.learning_rate
         )
         self._now_s = -math.inf  # the latest view's time
+        self._observed_s = -math.inf  # the latest view's time when an outcome came
         # Fresh sessions' first turns placed whole: what they find cached is shared.
         self._fresh: dict[str, None] = {}
         self._admission = Admission()
@@ -150,6 +151,7 @@ class AdaptivePolicy:
         due = self._deadlines.due_ms(objective, residency is None, new_tokens)
         rejected = (
             p.on_infeasible == "reject"
+            and not self._probe(best, view, index, turn.request_id)
             and self._passing_ttft(best, view, index, due, turn.request_id) > limit
         )
         # The placed prefill's slow steps expose the answers decoding beside it later on.
@@ -385,6 +387,23 @@ class AdaptivePolicy:
         share = self._work.due_share(worker.worker_id, view.now_s, due_s, request_id)
         return best.ttft_ms - best.queue_ms * (1.0 - share)
 
+    def _probe(
+        self, best: Candidate, view: ClusterView, workers: dict[str, WorkerView], request_id: str
+    ) -> bool:
+        """Whether to serve a predicted miss to learn from it (`tuning.PROBE_AFTER_S`): no
+        outcome came for a while, none of this policy's placed turns is still to report and
+        `best`'s workers are idle. The prediction then rests on old outcomes alone, and
+        rejecting would keep it there for good after the fleet recovered."""
+        if view.now_s - self._observed_s <= tuning.PROBE_AFTER_S:
+            return False
+        if len(self._legs) > (request_id in self._legs):
+            return False
+        for worker_id in best.workers:
+            worker = workers.get(worker_id)
+            if worker is None or worker.inflight > 0 or worker.running > 0 or worker.waiting > 0:
+                return False
+        return True
+
     def _weigh(self, prefill_ms: float) -> float:
         """A placed prefill's size in mean placed prefills (`WorkLedger.queued`)."""
         mean = self._placed_prefill
@@ -396,6 +415,8 @@ class AdaptivePolicy:
         return weight
 
     def observe(self, outcome: Outcome) -> None:
+        if outcome.ok:  # a rejection, or a failure, teaches the estimates nothing
+            self._observed_s = self._now_s
         placed = self._legs.pop(outcome.request_id, None)
         leg = placed[1] if placed is not None and placed[0] == outcome.action else None
         self.estimates.observe(outcome, leg)

@@ -44,6 +44,12 @@ MAX_FACTOR = 20.0
 # A served turn is due at most this many of the laxest fresh objective: a long session's late
 # turn goes behind the fresh ones beside it, but not behind whole bursts of them.
 DUE_CAP_FACTOR = 2.0
+# With no outcome observed for this long, nothing of its own in flight and the best placement's
+# workers idle, a turn predicted to miss is served, not rejected (`AdaptivePolicy._probe`):
+# rejections report nothing, and estimates taught by an overload would otherwise reject
+# every turn after the fleet recovered. Seconds, a few clients' retry intervals.
+PROBE_AFTER_S = 5.0
+
 # The fresh turns whose objectives and prefills set the due caps: recent, and many enough.
 FRESH_WINDOW = 256
 # A returning turn prefilling at most this many times a fresh turn's mean costs about as much.

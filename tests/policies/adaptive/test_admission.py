@@ -5,7 +5,7 @@ import pytest
 
 from policies import ClusterView, Objectives, Outcome, Reject, Turn, WorkerView, create_policy
 from policies.adaptive.admission import Admission, Deadlines
-from policies.adaptive.tuning import FRESH_WINDOW, MAX_FACTOR, MAX_TRACKED_REQUESTS
+from policies.adaptive.tuning import FRESH_WINDOW, MAX_FACTOR, MAX_TRACKED_REQUESTS, PROBE_AFTER_S
 
 
 def _staggered(sessions: int, turns: int, tag: str = "") -> list[tuple[str, str]]:
@@ -105,6 +105,7 @@ def test_a_miss_is_rejected_by_what_rejection_sheds(
     150 ms and 80 ms."""
     policy = create_policy("adaptive")
     elsewhere = ClusterView(now_s=0.0, workers=(_worker("h1"),))  # keeps d1's ledgers clean
+    policy.decide(_turn("busy", "busy-t0"), elsewhere)  # in flight throughout
     for session, request in _staggered(100, history_turns):
         policy.decide(_turn(session, request), elsewhere)
     for _ in range(60):  # a 4000-token prefill on d1 takes 400 ms
@@ -170,3 +171,37 @@ def test_the_cap_follows_the_recent_fresh_turns() -> None:
     # the 4000 ms one fell out; so did its 1000 new tokens, and 6000 are light now
     assert deadlines.due_ms(20_000.0, fresh=False, new_tokens=10_000) == 2000.0
     assert deadlines.due_ms(20_000.0, fresh=False, new_tokens=6000) == 1000.0
+
+
+def test_with_nothing_in_flight_a_predicted_miss_is_served_to_learn_from() -> None:
+    """Rejections report nothing: with no outcome for a while, none of its turns in flight and
+    the worker idle, a policy that rejected on its last outcomes would reject forever after the
+    fleet recovered. It serves the turn (best effort), and rejects again while that one is
+    still to report, on fresh outcomes, or where the worker is busy."""
+    policy = create_policy("adaptive")
+    for _ in range(60):  # a 4000-token prefill on d1 takes 400 ms
+        policy.observe(Outcome(request_id="r", session_id="s", action="colocate",
+                               prefill_worker="d1", decode_worker="d1", prompt_tokens=4000,
+                               cached_tokens=0, completion_tokens=64, prefill_ms=400.0,
+                               queue_ms=0.0, ok=True))  # fmt: skip
+    view = ClusterView(now_s=100.0, workers=(_worker("d1"),))
+    probe = policy.decide(_turn("a", "a-t0", ttft_ms=300.0), view)
+    assert not isinstance(probe, Reject)
+    assert probe.reason.startswith("best effort, best colocate on d1 predicts TTFT")
+    # the same request decided again (a retry) is no other turn in flight
+    assert not isinstance(policy.decide(_turn("a", "a-t0", ttft_ms=300.0), view), Reject)
+    assert isinstance(policy.decide(_turn("b", "b-t0", ttft_ms=300.0), view), Reject)
+    policy.observe(Outcome(request_id="a-t0", session_id="a", action="colocate",
+                           prefill_worker="d1", decode_worker="d1", prompt_tokens=4000,
+                           cached_tokens=0, completion_tokens=64, prefill_ms=100.0,
+                           queue_ms=0.0, ok=True))  # fmt: skip
+    # that outcome is news: a miss predicted from it is rejected, until it grows old
+    assert isinstance(policy.decide(_turn("c", "c-t0", ttft_ms=300.0), view), Reject)
+    policy.observe(Outcome(request_id="b-t0", session_id="b", action="reject",
+                           prefill_worker=None, decode_worker=None, prompt_tokens=4000,
+                           cached_tokens=0, completion_tokens=0, ok=False))  # fmt: skip
+    later = ClusterView(now_s=100.0 + PROBE_AFTER_S + 0.1, workers=(_worker("d1"),))
+    assert not isinstance(policy.decide(_turn("d", "d-t0", ttft_ms=300.0), later), Reject)
+    busy = msgspec.structs.replace(_worker("d1"), running=1)
+    idle_long = ClusterView(now_s=200.0, workers=(busy,))
+    assert isinstance(policy.decide(_turn("e", "e-t0", ttft_ms=300.0), idle_long), Reject)
