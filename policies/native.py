@@ -12,8 +12,7 @@ same. This module only reads builds, and imports nothing outside `policies`; its
 where `policies` may import no `router`.
 
 A module defining a msgspec Struct cannot be compiled (mypyc drops its class options), nor one
-whose classes an interpreted one subclasses (the tests check `WorkLedger` against a
-subclass scanning every placement: it stays uncompiled).
+whose classes an interpreted one subclasses.
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ MODULES = (
     "policies/adaptive/admission.py",
     "policies/adaptive/candidates.py",
     "policies/adaptive/decision.py",
+    "policies/adaptive/fleet.py",
     "policies/adaptive/policy.py",
     "policies/adaptive/ranking.py",
     "policies/adaptive/scoring.py",
@@ -37,8 +37,10 @@ MODULES = (
     "policies/adaptive/ledgers/cache.py",
     "policies/adaptive/ledgers/legs.py",
     "policies/adaptive/ledgers/streams.py",
+    "policies/adaptive/ledgers/work.py",
     "policies/costmodel/calibration.py",
     "policies/costmodel/estimates.py",
+    "policies/costmodel/roofline.py",
 )
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / ".native-policies"

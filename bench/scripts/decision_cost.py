@@ -25,6 +25,8 @@ import time
 from collections import deque
 from collections.abc import Iterator
 
+import msgspec
+
 from policies import create_policy
 from policies.base import Policy
 from policies.types import (
@@ -58,24 +60,49 @@ def _links(count: int) -> tuple[LinkView, ...]:
     )  # fmt: skip
 
 
-def turns(roles: list[str], count: int, seed: int) -> Iterator[tuple[Turn, ClusterView]]:
-    """`count` turns, each with the fleet as its decision sees it."""
+def _drawn(rng: random.Random, i: int, role: str, scraped_at_s: float | None = None) -> WorkerView:
+    """Worker `i` as a scrape finds it: its load drawn from `rng`."""
+    return WorkerView(
+        worker_id=f"w{i}", role=role, healthy=True,  # type: ignore[arg-type]
+        running=0 if role == "prefill" else rng.randint(0, 48),
+        waiting=rng.choice((0, 0, 0, 1, 2, 5)), kv_usage=rng.uniform(0.05, 0.95),
+        inflight=rng.randint(0, 48), node=f"n{i // 8}",
+        scraped_age_s=rng.uniform(0.0, 0.1), scraped_at_s=scraped_at_s,
+    )  # fmt: skip
+
+
+def turns(
+    roles: list[str], count: int, seed: int, scrape_interval_s: float = 0.0
+) -> Iterator[tuple[Turn, ClusterView]]:
+    """`count` turns, each with the fleet as its decision sees it: with `scrape_interval_s`
+    0, every worker's load drawn again for every turn; else each worker scraped once an
+    interval (at a phase of its own) and two in-flight counts moved by one per turn (a leg
+    sent, one ended), the other workers' views shared with the turn before, as the router
+    and the simulator share them."""
     rng = random.Random(seed)
     links = _links(len(roles))
     decoders = [f"w{i}" for i, role in enumerate(roles) if role != "prefill"]
     now = 1_000_000.0
+    views: list[WorkerView] = []
+    due: list[float] = []  # each worker's next scrape
     for n in range(count):
         now += rng.expovariate(200.0)
-        workers = tuple(
-            WorkerView(
-                worker_id=f"w{i}", role=role, healthy=True,  # type: ignore[arg-type]
-                running=0 if role == "prefill" else rng.randint(0, 48),
-                waiting=rng.choice((0, 0, 0, 1, 2, 5)), kv_usage=rng.uniform(0.05, 0.95),
-                inflight=rng.randint(0, 48), node=f"n{i // 8}",
-                scraped_age_s=rng.uniform(0.0, 0.1),
-            )
-            for i, role in enumerate(roles)
-        )  # fmt: skip
+        if scrape_interval_s <= 0.0:
+            workers = tuple(_drawn(rng, i, role) for i, role in enumerate(roles))
+        elif not views:
+            views = [_drawn(rng, i, role, now) for i, role in enumerate(roles)]
+            due = [now + rng.uniform(0.0, scrape_interval_s) for _ in roles]
+            workers = tuple(views)
+        else:
+            for i, role in enumerate(roles):
+                if due[i] <= now:
+                    views[i] = _drawn(rng, i, role, now)
+                    due[i] += scrape_interval_s * (1 + (now - due[i]) // scrape_interval_s)
+            for _ in range(2):
+                i = rng.randrange(len(roles))
+                moved = views[i].inflight + rng.choice((-1, 1))
+                views[i] = msgspec.structs.replace(views[i], inflight=moved if moved > 0 else 0)
+            workers = tuple(views)
         prompt = rng.choice(_PROMPTS)
         residency = None
         uncached = prompt
@@ -110,13 +137,14 @@ def _outcome(turn: Turn, decision: Decision) -> Outcome:
 
 
 def time_decisions(
-    policy: Policy, roles: list[str], count: int, inflight: int, seed: int
-) -> list[float]:
+    policy: Policy, roles: list[str], count: int, inflight: int, seed: int,
+    scrape_interval_s: float = 0.0,
+) -> list[float]:  # fmt: skip
     """Seconds of `decide` plus the `observe` of the turn it retires, per turn."""
     pending: deque[tuple[Turn, Decision]] = deque()
     clock = time.process_time
     samples: list[float] = []
-    for turn, view in turns(roles, count, seed):
+    for turn, view in turns(roles, count, seed, scrape_interval_s):
         started = clock()
         decision = policy.decide(turn, view)
         if len(pending) >= inflight:
@@ -135,6 +163,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=100, help="turns not timed, first")
     parser.add_argument("--inflight", type=int, default=32)
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument(
+        "--scrape-interval", type=float, default=0.0, metavar="S",
+        help="each worker's load drawn again once every S seconds, its view shared between "
+        "(the router's default is 0.25); 0: every worker's for every turn",
+    )  # fmt: skip
     parser.add_argument("--profile", metavar="FILE", help="cProfile everything into FILE")
     args = parser.parse_args()
     profile = cProfile.Profile() if args.profile else None
@@ -148,7 +181,12 @@ def main() -> None:
                 if profile is not None:
                     profile.enable()
                 samples = time_decisions(
-                    policy, roles, args.warmup + args.decisions, args.inflight, args.seed
+                    policy,
+                    roles,
+                    args.warmup + args.decisions,
+                    args.inflight,
+                    args.seed,
+                    args.scrape_interval,
                 )[args.warmup :]
                 if profile is not None:
                     profile.disable()

@@ -63,25 +63,46 @@ class Deadlines:
     wait behind fresh ones lets their prefills push its context out of the worker's prefix
     cache, which turns it into a whole prompt's prefill: due with them, it waits no longer."""
 
-    __slots__ = ("_fresh", "_fresh_tokens")
+    __slots__ = ("_fresh", "_fresh_tokens", "_laxest", "_seen", "_tokens")
 
     def __init__(self) -> None:
-        self._fresh: deque[float] = deque(maxlen=tuning.FRESH_WINDOW)
-        self._fresh_tokens: deque[int] = deque(maxlen=tuning.FRESH_WINDOW)
+        window = tuning.FRESH_WINDOW
+        self._fresh: deque[float] = deque(maxlen=window)
+        self._fresh_tokens: deque[int] = deque(maxlen=window)
+        # Kept as the window slides, not summed or searched per turn: the tokens' sum, and
+        # the fresh turns that may yet be the laxest (seen at, objective), laxest first.
+        self._tokens = 0
+        self._seen = 0
+        self._laxest: deque[tuple[int, float]] = deque()
 
     def due_ms(self, objective_ms: float, fresh: bool, new_tokens: int) -> float:
         """The due time of a turn with this objective (`fresh`: it begins a session) that
         prefills `new_tokens` where it is placed."""
         fresh_objectives = self._fresh
         if fresh:
-            fresh_objectives.append(objective_ms)
-            self._fresh_tokens.append(new_tokens)
+            self._add(objective_ms, new_tokens)
         if not fresh_objectives:
             return objective_ms
-        laxest = max(fresh_objectives)
+        laxest = self._laxest[0][1]
         cap = tuning.DUE_CAP_FACTOR * laxest
         if not fresh:
             tokens = self._fresh_tokens
-            if new_tokens <= tuning.LIGHT_FACTOR * sum(tokens) / len(tokens):
+            if new_tokens <= tuning.LIGHT_FACTOR * self._tokens / len(tokens):
                 cap = laxest
         return objective_ms if objective_ms < cap else cap
+
+    def _add(self, objective_ms: float, new_tokens: int) -> None:
+        tokens = self._fresh_tokens
+        if len(tokens) == tokens.maxlen:
+            self._tokens -= tokens[0]
+        tokens.append(new_tokens)
+        self._tokens += new_tokens
+        self._fresh.append(objective_ms)
+        seen = self._seen = self._seen + 1
+        laxest = self._laxest
+        while laxest and not laxest[-1][1] > objective_ms:
+            laxest.pop()  # never the laxest again: this one is as lax and leaves later
+        laxest.append((seen, objective_ms))
+        window = self._fresh.maxlen
+        while window is not None and laxest[0][0] <= seen - window:
+            laxest.popleft()

@@ -58,7 +58,6 @@ the chosen. The reason states I and H + dQ + dC in expected misses.
 
 from __future__ import annotations
 
-import heapq
 import math
 from typing import ClassVar
 
@@ -66,6 +65,7 @@ from policies.adaptive import tuning
 from policies.adaptive.admission import Admission, Deadlines
 from policies.adaptive.candidates import Candidate
 from policies.adaptive.decision import decision_of, explain, ms_text, predicted_terms
+from policies.adaptive.fleet import FleetIndex
 from policies.adaptive.ledgers.cache import CacheLedger, kv_capacity_tokens
 from policies.adaptive.ledgers.legs import LegLedger, StallLedger, forget_oldest
 from policies.adaptive.ledgers.streams import Leg, StreamLedger
@@ -74,14 +74,12 @@ from policies.adaptive.params import AdaptiveParams as AdaptiveParams
 from policies.adaptive.ranking import Key, Search, rank_key
 from policies.adaptive.scoring import Hold, Scorer
 from policies.adaptive.shortlists import (
-    LoadKey,
     decode_shortlist,
-    least_loaded,
     prefill_shortlist,
 )
 from policies.costmodel.calibration import Average
 from policies.costmodel.estimates import Estimates, PrefillLeg
-from policies.eligibility import DECODE_ROLES, PREFILL_ROLES, can_serve, reject_no_worker
+from policies.eligibility import DECODE_ROLES, can_serve, reject_no_worker
 from policies.types import (
     Action,
     ClusterView,
@@ -109,6 +107,7 @@ class AdaptivePolicy:
         )
         # The router reuses one links tuple between ledger refreshes: index it once per tuple,
         # not once per turn (a fleet of N workers has up to N^2 links).
+        self._fleet = FleetIndex(p.migrate_kv_usage, p.max_num_seqs)
         self._indexed_links: tuple[LinkView, ...] = ()
         self._link_index: dict[tuple[str, str], LinkView] = {}
         self._stalls = StallLedger(p.stall_window_s)
@@ -215,34 +214,15 @@ class AdaptivePolicy:
         now = view.now_s
         if now > self._now_s:
             self._now_s = now
-        # One pass over the fleet reads each worker's load and nothing more: the terms are
-        # computed only for the workers the shortlists keep (`policies.adaptive.shortlists`).
-        index: dict[str, WorkerView] = {}
-        roomy_keys: list[LoadKey] = []  # decode-capable with KV usage below migrate_kv_usage
-        full_keys: list[LoadKey] = []  # decode-capable, the others
-        usages: list[tuple[float, str]] = []  # decode-capable: KV usage, id
-        prefill_keys: list[LoadKey] = []
-        prefill_streams: list[tuple[int, str]] = []
+        # The fleet's workers by id and ranked by load, re-ranked only where their views
+        # changed since the last turn (`FleetIndex`): the terms are computed only for the
+        # workers the shortlists keep (`policies.adaptive.shortlists`).
+        fleet = self._fleet
+        fleet.sync(view.workers)
+        index = fleet.index
+        roomy_keys = fleet.roomy  # decode-capable with KV usage below migrate_kv_usage
+        full_keys = fleet.full  # decode-capable, the others
         kv_limit = p.migrate_kv_usage
-        max_seqs = p.max_num_seqs
-        for worker in view.workers:
-            wid = worker.worker_id
-            index[wid] = worker
-            if worker.healthy and not worker.draining:
-                load = (worker.inflight + worker.running + 2 * worker.waiting, wid)
-                role = worker.role
-                if role in DECODE_ROLES:
-                    usage = worker.kv_usage
-                    (roomy_keys if usage < kv_limit else full_keys).append(load)
-                    usages.append((usage, wid))
-                if role in PREFILL_ROLES:
-                    prefill_keys.append(load)
-                    # its decode streams (`TurnTerms.streams`)
-                    running = worker.running if worker.running > 0 else 0
-                    placed = worker.inflight - (worker.waiting if worker.waiting > 0 else 0)
-                    streams = placed if placed > running else running
-                    capped = 0 < max_seqs < streams
-                    prefill_streams.append((max_seqs if capped else streams, wid))
         self._work.settle_pending(index, now)
         if not roomy_keys and not full_keys:
             return None
@@ -257,20 +237,28 @@ class AdaptivePolicy:
         skip = resident.worker_id if resident is not None else ""
         # A new answer goes where its KV fits: a full cache preempts the streams running there.
         roomy = len(roomy_keys) - (resident is not None and resident.kv_usage < kv_limit)
-        pool = roomy_keys if roomy > 0 else roomy_keys + full_keys
+        pooled = len(roomy_keys) if roomy > 0 else len(roomy_keys) + len(full_keys)
         exhaustive = self._exhaustive
-        screened = len(pool) if exhaustive else tuning.SCREENED_WORKERS
-        chosen = least_loaded(pool, screened, skip)
-        if len(pool) > screened + 1:
+        screened = pooled if exhaustive else tuning.SCREENED_WORKERS
+        if roomy > 0:
+            chosen = fleet.least(roomy_keys, screened, skip)
+        else:  # the least loaded of both rankings
+            pool = sorted(
+                fleet.head(roomy_keys, screened + 1) + fleet.head(full_keys, screened + 1)
+            )
+            chosen = fleet.least(pool, screened, skip)
+        if pooled > screened + 1:
             # and the emptiest caches: where a turn's KV evicts least and crowds no stream
             taken = set(chosen)
-            emptiest = heapq.nsmallest(p.shortlist + len(taken) + 1, usages)
-            chosen += [w for _, w in emptiest if w not in taken and w != skip][: p.shortlist]
+            emptiest = fleet.emptiest(p.shortlist + len(taken) + 1)
+            chosen += [w for w in emptiest if w not in taken and w != skip][: p.shortlist]
         screen = [index[wid] for wid in chosen]
         # Up to the screen's size, every decode-capable worker prices a context prefilled
         # again; past it, the workers scored here do (the least loaded: it errs low).
         decoders = len(roomy_keys) + len(full_keys)
         small = exhaustive or decoders <= tuning.SCREENED_WORKERS
+        # the three prefill-capable workers with the fewest streams (`TurnTerms._avoided`)
+        calmest = [(fleet.value_of(k), fleet.id_of(k)) for k in fleet.head(fleet.streams, 3)]
         scorer = Scorer(
             turn,
             view,
@@ -289,13 +277,13 @@ class AdaptivePolicy:
             cache=self._cache,
             index=index,
             host_fresh_s=0.0 if small else tuning.HOST_RATE_FRESH_S,
-            prefill_streams=prefill_streams,
+            prefill_streams=calmest,
         )
         key = rank_key(turn)
         others = decode_shortlist(screen, p.shortlist, scorer)
         decode_targets = [resident, *others] if resident is not None else others
         prefills = prefill_shortlist(
-            prefill_keys, index, p.shortlist, prefix, scorer, None if exhaustive else self._stalls
+            fleet, p.shortlist, prefix, scorer, None if exhaustive else self._stalls
         )
         if not small:
             scored = {w.worker_id: w for w in (resident, *screen, *prefills) if w is not None}

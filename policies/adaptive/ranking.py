@@ -17,7 +17,9 @@ TIE_ORDER: dict[Action, int] = {"colocate": 0, "handoff": 1, "migrate": 2, "reco
 class Search:
     """What `AdaptivePolicy.search` found for one turn: the `best` candidate, the colocated
     `reference`, the best ranked of the others (`rival`), the `scorer` that priced them (it
-    prices any other placement of the turn on the same state) and the view's workers by id."""
+    prices any other placement of the turn on the same state) and the view's workers by id
+    (the policy's `FleetIndex.index`, edited as later views change: read it before the next
+    turn is searched)."""
 
     __slots__ = ("best", "index", "reference", "rival", "scorer")
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 
-from policies.costmodel.priors import Terms
+from policies.costmodel.roofline import Terms
 from policies.types import WorkerView
 
 # A prior may be far from the truth: vLLM's CPU build, its cores shared by several engines,

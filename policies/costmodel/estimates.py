@@ -58,7 +58,8 @@ from policies.costmodel.calibration import (
     QueueModel,
     plausible,
 )
-from policies.costmodel.priors import RooflinePrior, Terms, gpu_prior, model_prior
+from policies.costmodel.priors import gpu_prior, model_prior
+from policies.costmodel.roofline import RooflinePrior, Terms
 from policies.types import Outcome
 
 TYPICAL_PROMPT_TOKENS = 2048

@@ -87,6 +87,11 @@ class WorkerState:
     leaving: bool = False  # it left the fleet and drains until `WorkerPool.reap` forgets it
     left_at: float = 0.0
     pulls: PullMeter = field(default_factory=PullMeter)  # its engine's KV pulls, measured
+    # Its latest view for the policy and what it was built from (`WorkerPool.views`): the
+    # same object while nothing in it changed, so the policy re-ranks only the workers whose
+    # views did (`policies.adaptive.fleet`).
+    view: WorkerView | None = None
+    view_of: tuple[object, ...] = ()
 
     @property
     def available(self) -> bool:
@@ -104,13 +109,15 @@ class ModelPool:
     take turns now (`serving`). Rebuilt, never edited, when the fleet or its models change;
     `serving` is recounted when a worker's health changes."""
 
-    __slots__ = ("ids", "members", "model", "serving")
+    __slots__ = ("ids", "members", "model", "serving", "views")
 
     def __init__(self, model: str | None, members: tuple[WorkerState, ...]) -> None:
         self.model = model
         self.members = members
         self.ids = frozenset(state.spec.worker_id for state in members)
         self.serving = sum(1 for state in members if state.serving)
+        # the members' views as the policy last saw them: shared while none changed
+        self.views: tuple[WorkerView, ...] = ()
 
 
 def nic_bps(nic_gbps: float) -> float:
@@ -401,28 +408,49 @@ class WorkerPool:
         self, fleet_inflight: Mapping[str, int], now: float, pool: ModelPool | None = None
     ) -> tuple[WorkerView, ...]:
         """The policy's view of the pool's workers (default: every worker), with the fleet's
-        in-flight counts (an ejected worker reads as unhealthy, a leaving one as draining)."""
+        in-flight counts (an ejected worker reads as unhealthy, a leaving one as draining).
+        A worker's view is built again only when what it shows changed (a scrape, its
+        in-flight counts, its health), and the tuple is the last one while none did: its
+        scrape's time is `scraped_at_s`, on the clock of `now` (the telemetry's)."""
         if self._ejected:
             self._return_due()
-        views = []
-        for state in (self._everyone if pool is None else pool).members:
+        members = (self._everyone if pool is None else pool).members
+        shared = (self._everyone if pool is None else pool).views
+        views: list[WorkerView] = []
+        changed = len(shared) != len(members)
+        for state in members:
+            spec = state.spec
+            worker_id = spec.worker_id
             load = state.load
-            worker_id = state.spec.worker_id
-            views.append(
-                WorkerView(
+            inflight = state.inflight
+            others = fleet_inflight.get(worker_id, 0)
+            inflight = inflight if inflight > others else others
+            healthy = state.healthy and not state.ejected
+            draining = state.draining or state.leaving
+            shown = (spec, load, healthy, inflight, state.started_since_scrape, draining)
+            view = state.view
+            if view is None or shown != state.view_of:
+                view = state.view = WorkerView(
                     worker_id=worker_id,
-                    role=state.spec.role,
-                    healthy=state.healthy and not state.ejected,
+                    role=spec.role,
+                    healthy=healthy,
                     running=load.running if load else 0,
                     waiting=load.waiting if load else 0,
                     kv_usage=load.kv_usage if load else 0.0,
-                    inflight=max(state.inflight, fleet_inflight.get(worker_id, 0)),
+                    inflight=inflight,
                     started_since_scrape=state.started_since_scrape,
-                    draining=state.draining or state.leaving,
-                    node=state.spec.node,
+                    draining=draining,
+                    node=spec.node,
                     scraped_age_s=max(0.0, now - load.scraped_at) if load else 0.0,
-                    priority_scheduling=state.spec.priority_scheduling,
-                    nic_bps=nic_bps(state.spec.nic_gbps),
+                    scraped_at_s=load.scraped_at if load else None,
+                    priority_scheduling=spec.priority_scheduling,
+                    nic_bps=nic_bps(spec.nic_gbps),
                 )
-            )
-        return tuple(views)
+                state.view_of = shown
+                changed = True
+            views.append(view)
+        if not changed:
+            return shared
+        built = tuple(views)
+        (self._everyone if pool is None else pool).views = built
+        return built

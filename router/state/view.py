@@ -167,6 +167,8 @@ class FleetView:
         self.unconfirmed_workers: set[str] = set()  # published here, not yet acknowledged
         self.others_inflight: dict[str, int] = {}
         self.own_inflight: dict[str, int] = {}
+        # others' plus own, per worker, kept as either changes (`inflight`: read per turn)
+        self._inflight: dict[str, int] = {}
         self.links: dict[tuple[str, str], LinkState] = {}
         self.local_reservations: dict[str, Reservation] = {}
         # Every turn's ClusterView carries the links it cannot imply (`leave_out_idle`; else
@@ -190,12 +192,24 @@ class FleetView:
             self.own_inflight[worker_id] = count
         else:
             self.own_inflight.pop(worker_id, None)
+        others = self.others_inflight.get(worker_id)
+        if others is None and not count:
+            self._inflight.pop(worker_id, None)
+        else:
+            self._inflight[worker_id] = (others or 0) + count
 
-    def inflight(self) -> dict[str, int]:
-        total = dict(self.others_inflight)
+    def set_others_inflight(self, counts: dict[str, int]) -> None:
+        """The other replicas' in-flight counts, as the latest snapshot read them."""
+        self.others_inflight = counts
+        total = dict(counts)
         for worker_id, count in self.own_inflight.items():
             total[worker_id] = total.get(worker_id, 0) + count
-        return total
+        self._inflight = total
+
+    def inflight(self) -> dict[str, int]:
+        """In-flight counts per worker, the other replicas' plus this one's: kept current,
+        not copied (read it, do not edit it)."""
+        return self._inflight
 
     def put_link(self, state: LinkState) -> None:
         """Store a ledger reading unless the view holds a later one."""
@@ -300,7 +314,7 @@ class FleetView:
         for worker_id in [w for w in self.workers if w not in seen]:
             if worker_id not in self.unconfirmed_workers:
                 del self.workers[worker_id]
-        self.others_inflight = snapshot.inflight
+        self.set_others_inflight(snapshot.inflight)
         present: set[tuple[str, str]] = set()
         for state in snapshot.links:
             present.add((state.src, state.dst))

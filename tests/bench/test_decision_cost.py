@@ -102,3 +102,26 @@ def test_every_builtin_policy_places_the_timed_turns_in_the_fleet(name: str, lay
         for field in ("worker", "prefill_worker", "decode_worker"):
             value = getattr(decision, field, None)
             assert value is None or value in named
+
+
+def test_with_a_scrape_interval_each_worker_is_drawn_once_an_interval_and_shared_between() -> None:
+    roles = fleet_roles(16, "mixed")
+    interval = 0.25
+    timed = list(turns(roles, 400, seed=5, scrape_interval_s=interval))
+    assert timed == list(turns(roles, 400, seed=5, scrape_interval_s=interval))
+    scraped: dict[str, list[float]] = {}
+    for (_, before), (_, after) in itertools.pairwise(timed):
+        changed = [(a, b) for a, b in zip(before.workers, after.workers, strict=True) if a is not b]
+        # the turn's two in-flight moves, and the workers scraped since the turn before
+        moved = [b for a, b in changed if b.scraped_at_s == a.scraped_at_s]
+        assert len(moved) <= 2
+        assert sum(abs(b.inflight - a.inflight) for a, b in changed if b in moved) <= 2
+        for _, worker in changed:
+            if worker not in moved:
+                assert worker.scraped_at_s == after.now_s
+                scraped.setdefault(worker.worker_id, []).append(after.now_s)
+    span = timed[-1][1].now_s - timed[0][1].now_s
+    for times in scraped.values():
+        # at the first turn past each due time (turns come about 5 ms apart)
+        assert all(0.5 * interval < b - a < 1.5 * interval for a, b in itertools.pairwise(times))
+        assert span / interval - 2 <= len(times) <= span / interval + 1

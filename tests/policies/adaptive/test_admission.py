@@ -1,9 +1,12 @@
 from __future__ import annotations
 
+import random
+
 import msgspec
 import pytest
 
 from policies import ClusterView, Objectives, Outcome, Reject, Turn, WorkerView, create_policy
+from policies.adaptive import tuning
 from policies.adaptive.admission import Admission, Deadlines
 from policies.adaptive.tuning import FRESH_WINDOW, MAX_FACTOR, MAX_TRACKED_REQUESTS, PROBE_AFTER_S
 
@@ -205,3 +208,29 @@ def test_with_nothing_in_flight_a_predicted_miss_is_served_to_learn_from() -> No
     busy = msgspec.structs.replace(_worker("d1"), running=1)
     idle_long = ClusterView(now_s=200.0, workers=(busy,))
     assert isinstance(policy.decide(_turn("e", "e-t0", ttft_ms=300.0), idle_long), Reject)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_due_times_kept_as_the_window_slides_equal_a_search_of_it(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The laxest fresh objective and the fresh turns' mean prefill, kept as turns come and
+    leave the window, are those of the window searched whole every turn."""
+    monkeypatch.setattr(tuning, "FRESH_WINDOW", 16)
+    rng = random.Random(seed)
+    deadlines = Deadlines()
+    window: list[tuple[float, int]] = []
+    for _ in range(500):
+        objective = rng.choice((500.0, 1000.0, 1000.0, rng.uniform(200.0, 5000.0)))
+        fresh, tokens = rng.random() < 0.4, rng.randrange(1, 4000)
+        if fresh:
+            window = [*window, (objective, tokens)][-16:]
+        expected = objective
+        if window:
+            laxest = max(o for o, _ in window)
+            cap = tuning.DUE_CAP_FACTOR * laxest
+            total = sum(t for _, t in window)
+            if not fresh and tokens <= tuning.LIGHT_FACTOR * total / len(window):
+                cap = laxest
+            expected = min(objective, cap)
+        assert deadlines.due_ms(objective, fresh, tokens) == expected

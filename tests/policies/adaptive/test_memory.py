@@ -125,19 +125,31 @@ def test_kv_crowding(
     assert kv_crowding(worker, streams) == pytest.approx(misses)
 
 
-class _FullScan(WorkLedger):
-    """`WorkLedger.settle` as it scanned every recent placement, stale ones included."""
+class _FullScan:
+    """A `WorkLedger` whose `settle` scans every recent placement, stale ones included (the
+    ledger compiles with the policy: a wrapper, not a subclass)."""
 
-    __slots__ = ()
+    def __init__(self) -> None:
+        self.ledger = WorkLedger()
+
+    def place(self, request_id: str, worker: str | None, at_s: float, work_ms: float) -> None:
+        self.ledger.place(request_id, worker, at_s, work_ms)
+
+    def finish(self, request_id: str, now_s: float) -> None:
+        self.ledger.finish(request_id, now_s)
+
+    def backlog_ms(self, worker: str, now_s: float) -> float:
+        return self.ledger.backlog_ms(worker, now_s)
 
     def settle(self, worker: str, scraped_s: float, queued: int) -> None:
-        busy, recent = self._busy.get(worker), self._recent.get(worker)
+        ledger = self.ledger
+        busy, recent = ledger._busy.get(worker), ledger._recent.get(worker)
         if busy is None or recent is None:
             return
         since: list[tuple[float, float]] = []
         bound = scraped_s
         for at_s, request_id in reversed(recent):
-            entry = self._entries.get(request_id)
+            entry = ledger._entries.get(request_id)
             if entry is None or entry[0] != worker or entry[3] != at_s:
                 continue
             if at_s >= scraped_s:
@@ -151,7 +163,7 @@ class _FullScan(WorkLedger):
         for at_s, work_s in reversed(since):
             bound = max(bound, at_s) + work_s
         if busy > bound:
-            self._busy[worker] = bound
+            ledger._busy[worker] = bound
 
 
 @pytest.mark.parametrize("seed", range(20))

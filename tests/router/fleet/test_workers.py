@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from policies.types import idle_link_bps
+from policies.types import WorkerView, idle_link_bps
 from router.config import WorkerSpec
 from router.fleet.telemetry import WorkerLoad
 from router.fleet.workers import WorkerPool, nic_bps
@@ -64,3 +64,32 @@ def test_a_worker_view_carries_its_nic_rate_as_its_declared_links_take_it() -> N
     one, two = pool.views({}, now=0.0)
     assert (one.nic_bps, two.nic_bps) == (25e9, 50e9)
     assert idle_link_bps(one, two) == nic_bps(min(200.0, 400.0))
+
+
+def test_a_view_is_shared_until_what_it_shows_changes() -> None:
+    """The policy re-ranks only the workers whose views are new objects
+    (`policies.adaptive.fleet`): a worker's view is built again on a scrape, a change of its
+    in-flight counts or its health, and the tuple is the same while no view changed."""
+    pool = WorkerPool([WorkerSpec(url=f"http://127.0.0.1:{9 + i}", id=f"w{i}") for i in range(3)])
+    inflight: dict[str, int] = {}
+    for i in range(3):
+        pool.on_scrape(f"w{i}", WorkerLoad(i, 0, 0.1, None, None, scraped_at=5.0), True)
+    first = pool.views(inflight, now=6.0)
+    assert pool.views(inflight, now=7.0) is first
+    assert [(v.scraped_at_s, v.scraped_age_s) for v in first] == [(5.0, 1.0)] * 3
+    assert first[0].scraped_at(7.0) == 5.0  # its age as of the turn's now
+
+    def changed(views: tuple[WorkerView, ...], before: tuple[WorkerView, ...]) -> list[str]:
+        return [v.worker_id for v, b in zip(views, before, strict=True) if v is not b]
+
+    pool.on_scrape("w1", WorkerLoad(4, 2, 0.5, None, None, scraped_at=8.0), True)
+    second = pool.views(inflight, now=8.5)
+    assert changed(second, first) == ["w1"]
+    assert (second[1].running, second[1].waiting, second[1].scraped_at_s) == (4, 2, 8.0)
+    inflight["w2"] = 3  # another replica's requests
+    third = pool.views(inflight, now=9.0)
+    assert changed(third, second) == ["w2"] and third[2].inflight == 3
+    pool.on_scrape("w0", None, False)  # unhealthy: no load read
+    fourth = pool.views(inflight, now=9.5)
+    assert changed(fourth, third) == ["w0"] and not fourth[0].healthy
+    assert pool.views(inflight, now=10.0) is fourth

@@ -1,7 +1,9 @@
-"""router.state.view.FleetView's link views: what every turn's ClusterView carries."""
+"""router.state.view.FleetView's link views and in-flight counts: what every turn's
+ClusterView carries."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 
 import pytest
@@ -114,3 +116,21 @@ def test_idle_links_the_view_implies_are_left_out(before: bool) -> None:
     assert local[("p0", "d0")] == 777
     assert ("p0", "d0") not in {(v.src, v.dst) for v in fleet.policy_links(NOW + 10)}
     assert fleet.policy_links(NOW + 11) is fleet.policy_links(NOW + 12)  # shared while idle
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_fleet_inflight_kept_is_the_others_plus_this_replicas(seed: int) -> None:
+    rng = random.Random(seed)
+    fleet = FleetView()
+    workers = ("w1", "w2", "w3")
+    for _ in range(300):
+        if rng.random() < 0.1:
+            fleet.set_others_inflight({w: rng.randrange(3) for w in workers if rng.random() < 0.5})
+        else:
+            worker = rng.choice(workers)
+            fleet.add_inflight(worker, 1 if fleet.own_inflight.get(worker, 0) == 0 else
+                               rng.choice((-1, 1)))  # fmt: skip
+        expected = dict(fleet.others_inflight)
+        for worker, count in fleet.own_inflight.items():
+            expected[worker] = expected.get(worker, 0) + count
+        assert fleet.inflight() == expected
