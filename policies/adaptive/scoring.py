@@ -51,7 +51,9 @@ gaps of a g-token answer that may exceed the ITL objective while the p99 of its 
   decode legs on their way there, `LegLedger`), while d runs slow steps at the rate its
   recent placements set (`StallLedger`), and adds the KV it lacks there, after the KV those
   legs bring (`kv_crowding`: misses as the cache nears full):
-      exposure = rate(d) x (G - 1) x step / B(G) + crowding(d);
+      exposure = rate(d) x ((G - 1) x step + wait) / B(G) + crowding(d),
+  wait = a whole turn's TTFT on d (its queue and its prefill there; 0 for a handoff's decode
+  leg): the prefills placed on d while it waits queue behind it and run as it decodes;
   where the turn's own prefill on d is slow (a whole turn), d becomes a host of slow
   prefills: rate(d) is at least the mean rate of the workers hosting them lately; where d's
   streams with the answer exceed the calmest other prefill-capable worker's (of at least
@@ -194,7 +196,7 @@ class Scorer(TurnTerms):
             action = "recompute"
         first = queue + prefill.compute_ms + prefill.own_wait_ms
         decode = self._own_gaps * self._answer_step(worker)
-        exposure = self.exposure(worker, hosting=prefill.slow_steps > 0)
+        exposure = self.exposure(worker, hosting=prefill.slow_steps > 0, waiting_ms=first)
         fills = ((wid, self.filled_whole(worker)),)
         return Candidate(
             action,

@@ -267,12 +267,16 @@ class TurnTerms:
         headroom = 1.0 - self._answer_step(worker) / self._itl_ms
         return headroom if headroom > 0.0 else 0.0
 
-    def exposure(self, worker: WorkerView, hosting: bool = False) -> float:
+    def exposure(self, worker: WorkerView, hosting: bool = False, waiting_ms: float = 0.0) -> float:
         """Expected misses of this turn's answer decoded on `worker`: from its slow steps,
         and from a KV cache about to fill (preemption). `hosting`: the turn's own prefill
         there is slow, which makes the worker one that hosts slow prefills: its answer meets
         them at least at the rate such workers see lately (each slow prefill placed where
-        they already expose the streams costs the others nothing, so more follow)."""
+        they already expose the streams costs the others nothing, so more follow).
+        `waiting_ms`: the turn waits that long on `worker` for its first token (a whole
+        turn: its queue and prefill there); the prefills placed there meanwhile queue behind
+        it and run while its answer decodes, so they count as if placed during its decode
+        (a short answer on a busy host meets the next prefill, however brief its own life)."""
         wid = worker.worker_id
         crowding = self._crowding.get(wid)
         if crowding is None:
@@ -290,7 +294,7 @@ class TurnTerms:
         if rate <= 0.0:
             return crowding
         step = self._answer_step(worker)
-        life_ms = self._own_gaps * step
+        life_ms = self._own_gaps * step + (waiting_ms if waiting_ms > 0.0 else 0.0)
         if not hosting and self._continuing < 1.0 and self._avoided(worker):
             # New sessions' prefills go elsewhere from now on: past the work placed there
             # already, only the returning sessions' (their cache is there) stall it.
