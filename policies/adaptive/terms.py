@@ -374,11 +374,23 @@ class TurnTerms:
     def streams(self, worker: WorkerView) -> int:
         """The decode streams on `worker` now: the scrape's, or more where the router's legs
         there less the scrape's queue say so (a scrape may be an interval old, and turns
-        placed within it would otherwise all see the same, least-loaded, worker)."""
+        placed within it would otherwise all see the same, least-loaded, worker); less the
+        split turns' prefill legs running there (`_prefill_legs`: the engine counts a
+        request running from its prefill on, so a worker hosting prefill legs alone would
+        seem to hold a stream that each slow prefill placed there harms, like a worker
+        with an answer decoding; a whole turn's prefill stays: it decodes there next)."""
         running = worker.running if worker.running > 0 else 0
         placed = worker.inflight - (worker.waiting if worker.waiting > 0 else 0)
         streams = placed if placed > running else running
+        if streams > 0:
+            legs = self._prefill_legs(worker.worker_id)
+            streams = streams - legs if streams > legs else 0
         return self._max_seqs if 0 < self._max_seqs < streams else streams
+
+    def _prefill_legs(self, worker_id: str) -> int:
+        """The split turns' prefill legs running on the worker (none known here: the
+        `policies.adaptive.scoring.Scorer` reads its `StreamLedger`)."""
+        return 0
 
     def _leg(self, worker: WorkerView, cached: int) -> PrefillLeg:
         beside = self.streams(worker) if worker.role != "prefill" else 0

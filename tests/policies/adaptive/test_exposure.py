@@ -1,6 +1,7 @@
 """What an answer meets where it decodes (`TurnTerms.exposure`): a whole turn waiting on a
 worker that hosts slow prefills meets the ones placed there while it waits, however short its
-own answer."""
+own answer; and the streams a slow prefill stalls there (`TurnTerms.streams`): a split turn's
+prefill leg running there is none."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 
 from policies import ClusterView, Objectives, Turn
 from policies.adaptive.ledgers.legs import StallLedger, slow_gap_budget
+from policies.adaptive.ledgers.streams import StreamLedger
 from policies.adaptive.scoring import Scorer
 from policies.costmodel.estimates import Estimates
 from policies.testing.views import w
@@ -50,3 +52,28 @@ def test_a_whole_turn_meets_the_slow_prefills_placed_while_it_waits_for_its_firs
         assert whole.exposure > decode
     if not placed:
         assert whole.exposure == 0.0
+
+
+# (requests the scrape counts running on the worker, split turns' prefill legs this policy
+# placed there whose KV has not left, whole turns placed there: the streams a slow prefill
+# placed there stalls)
+RUNNING = [(1, 1, 0, 0), (1, 0, 1, 1), (3, 1, 2, 2), (2, 2, 0, 0), (4, 1, 0, 3), (0, 1, 0, 0)]
+
+
+@pytest.mark.parametrize(("running", "legs", "whole", "streams"), RUNNING)
+def test_a_prefill_leg_running_on_a_worker_is_no_stream_there(
+    running: int, legs: int, whole: int, streams: int
+) -> None:
+    ledger = StreamLedger(5.0)
+    for i in range(legs):  # prefilled on h, decoded on d: on h until its KV leaves at 11 s
+        ledger.place(f"leg{i}", (("h", 11.0), ("d", 12.0)), NOW_S - 0.1)
+    for i in range(whole):  # a whole turn's prefill on h: it decodes there next
+        ledger.place(f"whole{i}", (("h", 12.0),), NOW_S - 0.1)
+    ledger.place("sent", (("h", NOW_S - 0.5), ("d", 12.0)), NOW_S - 1.0)  # KV gone: not counted
+    host = w("h", running=running, inflight=running)
+    turn = _turn(64)
+    scorer = Scorer(turn, ClusterView(now_s=NOW_S, workers=(host,)), Estimates.from_presets(),
+                    links={}, horizon_s=1.0, default_bps=12.5e9, done=ledger)  # fmt: skip
+    assert scorer.streams(host) == streams
+    # The harm of a slow prefill there counts only those streams.
+    assert (scorer.whole(host).harm > 0.0) is (streams > 0)
