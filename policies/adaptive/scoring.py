@@ -20,7 +20,9 @@ gaps of a g-token answer that may exceed the ITL objective while the p99 of its 
   scrapes; in the compute roof's ms: batched steps pay overhead and weights once).
 - a local prefill of n new tokens after c cached on worker w with R decode streams (none on
   a "prefill" worker; R = the scrape's running, or the router's legs there less the scrape's
-  queue where more, at most `max_seqs`: a scrape may be an interval old), in k chunks; step =
+  queue where more, less the split turns' prefill legs running there (`StreamLedger`: the
+  engine counts them running, yet none decodes there), at most `max_seqs`: a scrape may be
+  an interval old), in k chunks; step =
   a decode step of the R streams alone, fused = the prefill's k steps fused with theirs (see
   policies.costmodel.estimates), J = the others' prefill work in each step it joins: max(A / k,
   u x step / (1 - u)), u = the share of w's time the prefills placed there recently take
@@ -51,7 +53,9 @@ gaps of a g-token answer that may exceed the ITL objective while the p99 of its 
   decode legs on their way there, `LegLedger`), while d runs slow steps at the rate its
   recent placements set (`StallLedger`), and adds the KV it lacks there, after the KV those
   legs bring (`kv_crowding`: misses as the cache nears full):
-      exposure = rate(d) x (G - 1) x step / B(G) + crowding(d);
+      exposure = rate(d) x ((G - 1) x step + wait) / B(G) + crowding(d),
+  wait = a whole turn's TTFT on d (its queue and its prefill there; 0 for a handoff's decode
+  leg): the prefills placed on d while it waits queue behind it and run as it decodes;
   where the turn's own prefill on d is slow (a whole turn), d becomes a host of slow
   prefills: rate(d) is at least the mean rate of the workers hosting them lately; where d's
   streams with the answer exceed the calmest other prefill-capable worker's (of at least
@@ -129,7 +133,16 @@ class Scorer(TurnTerms):
     session (`policies.adaptive.admission.Admission`); `refill`: the workers whose mean
     prices an evicted context prefilled again (None: every decode-capable one)."""
 
-    __slots__ = ("_cache", "_done", "_holds", "_max_hold_ms", "_refill", "_refilled", "_shares")
+    __slots__ = (
+        "_cache",
+        "_done",
+        "_holds",
+        "_legs_running",
+        "_max_hold_ms",
+        "_refill",
+        "_refilled",
+        "_shares",
+    )
 
     def __init__(
         self,
@@ -176,8 +189,21 @@ class Scorer(TurnTerms):
         self._refill: float | None = None
         self._shares: dict[str, float] = {}  # per worker, once per turn
         self._done = done
+        self._legs_running: dict[str, int] = {}  # per worker, once per turn
         self._max_hold_ms = max_hold_s * 1000.0
         self._holds: dict[str, Hold | None] = {}
+
+    def _prefill_legs(self, worker_id: str) -> int:
+        """The split turns' prefill legs this policy placed on the worker that still run
+        there (`StreamLedger.prefill_legs`)."""
+        done = self._done
+        if done is None:
+            return 0
+        legs = self._legs_running.get(worker_id)
+        if legs is None:
+            legs = done.prefill_legs(worker_id, self._now_s, self._request_id)
+            self._legs_running[worker_id] = legs
+        return legs
 
     def whole(self, worker: WorkerView, held: Hold | None = None) -> Candidate:
         """Prefill and decode on `worker`: colocate where the state is (or none is), else
@@ -194,7 +220,7 @@ class Scorer(TurnTerms):
             action = "recompute"
         first = queue + prefill.compute_ms + prefill.own_wait_ms
         decode = self._own_gaps * self._answer_step(worker)
-        exposure = self.exposure(worker, hosting=prefill.slow_steps > 0)
+        exposure = self.exposure(worker, hosting=prefill.slow_steps > 0, waiting_ms=first)
         fills = ((wid, self.filled_whole(worker)),)
         return Candidate(
             action,

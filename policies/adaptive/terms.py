@@ -267,12 +267,16 @@ class TurnTerms:
         headroom = 1.0 - self._answer_step(worker) / self._itl_ms
         return headroom if headroom > 0.0 else 0.0
 
-    def exposure(self, worker: WorkerView, hosting: bool = False) -> float:
+    def exposure(self, worker: WorkerView, hosting: bool = False, waiting_ms: float = 0.0) -> float:
         """Expected misses of this turn's answer decoded on `worker`: from its slow steps,
         and from a KV cache about to fill (preemption). `hosting`: the turn's own prefill
         there is slow, which makes the worker one that hosts slow prefills: its answer meets
         them at least at the rate such workers see lately (each slow prefill placed where
-        they already expose the streams costs the others nothing, so more follow)."""
+        they already expose the streams costs the others nothing, so more follow).
+        `waiting_ms`: the turn waits that long on `worker` for its first token (a whole
+        turn: its queue and prefill there); the prefills placed there meanwhile queue behind
+        it and run while its answer decodes, so they count as if placed during its decode
+        (a short answer on a busy host meets the next prefill, however brief its own life)."""
         wid = worker.worker_id
         crowding = self._crowding.get(wid)
         if crowding is None:
@@ -290,7 +294,7 @@ class TurnTerms:
         if rate <= 0.0:
             return crowding
         step = self._answer_step(worker)
-        life_ms = self._own_gaps * step
+        life_ms = self._own_gaps * step + (waiting_ms if waiting_ms > 0.0 else 0.0)
         if not hosting and self._continuing < 1.0 and self._avoided(worker):
             # New sessions' prefills go elsewhere from now on: past the work placed there
             # already, only the returning sessions' (their cache is there) stall it.
@@ -370,11 +374,23 @@ class TurnTerms:
     def streams(self, worker: WorkerView) -> int:
         """The decode streams on `worker` now: the scrape's, or more where the router's legs
         there less the scrape's queue say so (a scrape may be an interval old, and turns
-        placed within it would otherwise all see the same, least-loaded, worker)."""
+        placed within it would otherwise all see the same, least-loaded, worker); less the
+        split turns' prefill legs running there (`_prefill_legs`: the engine counts a
+        request running from its prefill on, so a worker hosting prefill legs alone would
+        seem to hold a stream that each slow prefill placed there harms, like a worker
+        with an answer decoding; a whole turn's prefill stays: it decodes there next)."""
         running = worker.running if worker.running > 0 else 0
         placed = worker.inflight - (worker.waiting if worker.waiting > 0 else 0)
         streams = placed if placed > running else running
+        if streams > 0:
+            legs = self._prefill_legs(worker.worker_id)
+            streams = streams - legs if streams > legs else 0
         return self._max_seqs if 0 < self._max_seqs < streams else streams
+
+    def _prefill_legs(self, worker_id: str) -> int:
+        """The split turns' prefill legs running on the worker (none known here: the
+        `policies.adaptive.scoring.Scorer` reads its `StreamLedger`)."""
+        return 0
 
     def _leg(self, worker: WorkerView, cached: int) -> PrefillLeg:
         beside = self.streams(worker) if worker.role != "prefill" else 0

@@ -30,6 +30,8 @@ class StreamLedger:
         # worker -> request -> (release, prefill done, slow steps) of each prefill held there
         self._held: dict[str, dict[str, Held]] = {}
         self._holding: dict[str, str] = {}  # request -> the worker its prefill is held for
+        # worker -> request -> when its KV leaves, of each split turn's prefill leg there
+        self._prefilling: dict[str, dict[str, float]] = {}
 
     def place(
         self, request_id: str, legs: Sequence[Leg], at_s: float, held: Held | None = None
@@ -51,6 +53,8 @@ class StreamLedger:
             if worker in self._ends or len(self._ends) < tuning.MAX_TRACKED_WORKERS:
                 self._ends.setdefault(worker, {})[request_id] = (end_s, i == last)
                 kept.append((worker, end_s))
+                if i != last:
+                    self._prefilling.setdefault(worker, {})[request_id] = end_s
         if kept:
             self._placed[request_id] = tuple(kept)
         limit = tuning.MAX_TRACKED_REQUESTS
@@ -71,6 +75,18 @@ class StreamLedger:
                 ends.pop(request_id, None)
                 if not ends:
                     del self._ends[worker]
+            legs = self._prefilling.get(worker)
+            if legs is not None and legs.pop(request_id, None) is not None and not legs:
+                del self._prefilling[worker]
+
+    def prefill_legs(self, worker: str, now_s: float, exclude: str = "") -> int:
+        """How many split turns' prefill legs placed on `worker` are predicted to run there
+        still (their KV not sent yet), `exclude`'s own left out: the engine counts each
+        running from its prefill on, yet none decodes there."""
+        legs = self._prefilling.get(worker)
+        if not legs:
+            return 0
+        return sum(1 for request, sent_s in legs.items() if sent_s > now_s and request != exclude)
 
     def held_steps(self, worker: str, start_s: float, end_s: float, exclude: str = "") -> float:
         """The slow steps an answer decoding on `worker` from `start_s` to `end_s` meets of
