@@ -25,12 +25,8 @@ import math
 from policies.costmodel.roofline import Terms
 from policies.types import WorkerView
 
-# A prior may be far from the truth: vLLM's CPU build, its cores shared by several engines,
-# prefills many times slower than the "cpu" preset's roofline. A factor clamped short of that
-# leaves the rest of every prefill to the queue model's constant base, which flattens the
-# predicted prefill over prompt sizes.
 FACTOR_MIN = 0.05
-FACTOR_MAX = 100.0
+FACTOR_MAX = 20.0
 
 
 class Correction:

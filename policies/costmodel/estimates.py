@@ -36,7 +36,7 @@ turn found no request queued ahead (else the stage is mostly queue wait); the TT
 run whole (it reports no prefill stage), noisier, teaches the fleet's roofs only. Two factors per
 quantity let a prior GPU whose compute and bandwidth ratios differ from the real one's (h200
 prior, a100 truth: 3.2x the FLOP/s but 2.4x the bandwidth) converge in both regimes.
-Factors stay within [0.05, 100]; non-finite, non-positive, hour-long and failed observations
+Factors stay within [0.05, 20]; non-finite, non-positive, hour-long and failed observations
 are ignored. Means (context, typical prefill, queue base, answer length, shared prefix)
 start as running means with the prior as one sample, then turn into EWMAs.
 

@@ -34,15 +34,18 @@ def test_only_the_spinning_thread_goes_to_nice_19(monkeypatch: pytest.MonkeyPatc
     # A loaded machine gives a spinning thread less than a quarter of a core; an idle one
     # uses none at all.
     monkeypatch.setattr(engine, "SPINNING_SHARE", 0.02)
-    with subprocess.Popen([sys.executable, "-c", SPINNING_CHILD], stdout=subprocess.PIPE) as child:
-        try:
-            assert child.stdout is not None
-            spinning, sleeping = (int(tid) for tid in child.stdout.readline().split())
-            calmed = engine.calm_spinners(child.pid, window_s=0.5)
-            ours = os.getpriority(os.PRIO_PROCESS, 0)
-            assert calmed == [spinning]
-            assert os.getpriority(os.PRIO_PROCESS, spinning) == 19
-            assert os.getpriority(os.PRIO_PROCESS, sleeping) == ours
-            assert os.getpriority(os.PRIO_PROCESS, child.pid) == ours
-        finally:
-            child.kill()
+    child = subprocess.Popen([sys.executable, "-c", SPINNING_CHILD], stdout=subprocess.PIPE)
+    try:
+        assert child.stdout is not None
+        spinning, sleeping = (int(tid) for tid in child.stdout.readline().split())
+        calmed = engine.calm_spinners(child.pid, window_s=0.5)
+        ours = os.getpriority(os.PRIO_PROCESS, 0)
+        assert calmed == [spinning]
+        assert os.getpriority(os.PRIO_PROCESS, spinning) == 19
+        assert os.getpriority(os.PRIO_PROCESS, sleeping) == ours
+        assert os.getpriority(os.PRIO_PROCESS, child.pid) == ours
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+        if child.stdout is not None:
+            child.stdout.close()
