@@ -36,7 +36,7 @@ def test_vllm_bench_serve_finishes_without_errors(
         [str(VENV / "bin" / "vllm"), "bench", "serve", "--backend", backend,
          "--base-url", router.url, "--endpoint", endpoint, "--model", str(MODEL),
          "--tokenizer", str(MODEL), "--dataset-name", "random", "--random-input-len", "300",
-         "--random-output-len", "16", "--num-prompts", str(PROMPTS), "--request-rate", "8",
+         "--random-output-len", "16", "--num-prompts", str(PROMPTS), "--request-rate", "2",
          "--ignore-eos", "--seed", "0", "--save-result", "--result-dir", str(tmp_path),
          "--result-filename", "result.json"],
         cwd=tmp_path, env={**os.environ, **OFFLINE}, capture_output=True, text=True,
@@ -60,7 +60,7 @@ def test_guidellm_finishes_without_errors(
     run = subprocess.run(
         [str(VENV / "bin" / "guidellm"), "run",
          "--backend", f"kind=openai_http,target={router.url},model={MODEL}",
-         "--profile", "kind=constant,rate=6",
+         "--profile", "kind=constant,rate=2",
          "--constraint", f"kind=max_requests,count={PROMPTS}",
          "--data", "kind=synthetic_text,prompt_tokens=300,output_tokens=16",
          "--tokenizer", f"kind=huggingface_auto,model={MODEL}",
