@@ -62,6 +62,15 @@ class CompiledBuild:
         self.status = "off: not built"
         self._fresh: dict[tuple[Path, Path, tuple[str, ...]], bool] = {}
 
+    def attribute(self, name: str) -> bool | str:
+        """`active` and `status`, as the attributes of the module it builds for (that
+        module's `__getattr__`)."""
+        if name == "active":
+            return self.active
+        if name == "status":
+            return self.status
+        raise AttributeError(f"no attribute {name!r}")
+
     def activate(
         self, package_path: list[str], package: str, root: Path | None = None,
         out: Path | None = None, modules: tuple[str, ...] | None = None,
@@ -125,10 +134,5 @@ activate = BUILD.activate
 is_fresh = BUILD.is_fresh
 
 
-def __getattr__(name: str) -> bool | str:
-    # `active` and `status` are the build's, read as this module's
-    if name == "active":
-        return BUILD.active
-    if name == "status":
-        return BUILD.status
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# `active` and `status` are the build's, read as this module's
+__getattr__ = BUILD.attribute

@@ -61,14 +61,9 @@ def fingerprint(root: Path, modules: tuple[str, ...] = MODULES) -> dict[str, obj
     return policies_native.fingerprint(root, modules)
 
 
-def __getattr__(name: str) -> bool | str:
-    # `active` (the compiled modules are on the path) and `status` (why, or where from, for
-    # the serve command's log line) are the build's, read as this module's
-    if name == "active":
-        return BUILD.active
-    if name == "status":
-        return BUILD.status
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# `active` (the compiled modules are on the path) and `status` (why, or where from, for the
+# serve command's log line) are the build's, read as this module's
+__getattr__ = BUILD.attribute
 
 
 def defines_struct(source: str) -> bool:

@@ -169,8 +169,6 @@ class VllmEngine:
         self.log_path = workdir / f"{self.name}.log"
         self._log: IO[bytes] | None = None
         self.process: subprocess.Popen[bytes] | None = None
-        # the busy-polling threads `calm_spinners` found once it was healthy
-        self.calmed: list[int] = []
 
     def start(self) -> None:
         if not self.executable.exists():
@@ -193,7 +191,7 @@ class VllmEngine:
             with contextlib.suppress(urllib.error.URLError, OSError):
                 with urllib.request.urlopen(f"{self.spec.url}/health", timeout=2) as answer:
                     if answer.status == 200:
-                        self.calmed = calm_spinners(self.process.pid)
+                        calm_spinners(self.process.pid)
                         return time.monotonic() - started
             if time.monotonic() > deadline:
                 raise EngineFailed(f"{self.name} not healthy in {timeout_s:g} s:\n{self.tail()}")

@@ -414,8 +414,8 @@ class WorkerPool:
         scrape's time is `scraped_at_s`, on the clock of `now` (the telemetry's)."""
         if self._ejected:
             self._return_due()
-        members = (self._everyone if pool is None else pool).members
-        shared = (self._everyone if pool is None else pool).views
+        owner = self._everyone if pool is None else pool
+        members, shared = owner.members, owner.views
         views: list[WorkerView] = []
         changed = len(shared) != len(members)
         for state in members:
@@ -452,5 +452,5 @@ class WorkerPool:
         if not changed:
             return shared
         built = tuple(views)
-        (self._everyone if pool is None else pool).views = built
+        owner.views = built
         return built
