@@ -11,8 +11,13 @@ only from turns that found no queue ahead.
 
     wait(q) = max(0, base + factor x q x typical)
 
-`base` is the mean wait sample at q = 0 (the step in progress, the router's legs; less the
-prefill work the placement knew was ahead, which the policy's ledger predicts itself), `factor`
+`base` is what a turn that finds no queue waits besides its prefill (the step in progress,
+the engine's handling, the router's legs; the prefill work the placement knew was ahead is
+the policy's ledger's to predict). It is fitted together with the roofs on those turns: one
+ratio, observed / (base + prefill), moves each of them in log space as much as it makes up
+the prediction, so neither takes the other's share (fitted apart, a base learning the mean
+residual of roofs learning the geometric mean keeps a constant that flattens the prefill's
+slope across prompt sizes) and a rare slow turn moves them by a ratio, not by its ms. `factor`
 the ratio of the mean excess wait (sample - base) to the mean q x typical over the samples
 with q > 0 (a ratio of means, not a mean of ratios, so noisy small samples do not bias it),
 starting at 1 (each request ahead costs one typical prefill), kept within the factor bounds.
@@ -27,55 +32,105 @@ from policies.types import WorkerView
 
 FACTOR_MIN = 0.05
 FACTOR_MAX = 20.0
+# How far a roof factor may be from its prior before the first sample: a preset GPU a few
+# times off the real one (a CPU build, other engines sharing its cores).
+FACTOR_SPREAD = 4.0
+# The base stays below a minute.
+BASE_MAX_MS = 60_000.0
+# The fitted numbers: the base, then the factors of the step overhead, the weights' products,
+# attention and the memory roof.
+PARAMETERS = 5
 
 
 class Correction:
-    """Learned multipliers of the compute and memory roofs of one quantity."""
+    """The roofline's correction for one GPU, fitted as one model (module): a base (what a
+    prefill stage that found no queue holds besides its steps) and multipliers of the step
+    overhead and of the roofs (the compute roof's two parts, the weights' matrix products and
+    attention over the context, and the memory roof)."""
 
-    __slots__ = ("compute", "memory")
+    __slots__ = ("_cov", "_prior_var", "attention", "base", "linear", "memory", "overhead")
 
-    def __init__(self, compute: float = 1.0, memory: float = 1.0) -> None:
-        self.compute = compute
-        self.memory = memory
+    def __init__(self, *, base_spread_ms: float = 1.0) -> None:
+        self.base = 0.0
+        self.overhead = 1.0
+        self.linear = 1.0
+        self.attention = 1.0
+        self.memory = 1.0
+        spread = FACTOR_SPREAD * FACTOR_SPREAD
+        self._prior_var = (base_spread_ms * base_spread_ms, spread, spread, spread, spread)
+        self._cov = [[v if i == j else 0.0 for j, v in enumerate(self._prior_var)]
+                     for i in range(PARAMETERS)]  # fmt: skip
 
     def copy(self) -> Correction:
-        return Correction(self.compute, self.memory)
+        out = Correction()
+        out.base, out.overhead = self.base, self.overhead
+        out.linear, out.attention, out.memory = self.linear, self.attention, self.memory
+        out._prior_var = self._prior_var
+        out._cov = [list(row) for row in self._cov]
+        return out
 
     def predict(self, terms: Terms) -> float:
-        overhead, compute_a, memory_a, compute_b, memory_b = terms
-        fc, fm = self.compute, self.memory
-        a_compute, a_memory = compute_a * fc, memory_a * fm
-        b_compute, b_memory = compute_b * fc, memory_b * fm
+        """The stage the terms describe, without the base."""
+        overhead, linear_a, attention_a, memory_a, linear_b, attention_b, memory_b = terms
+        fl, fa, fm = self.linear, self.attention, self.memory
+        a_compute, a_memory = linear_a * fl + attention_a * fa, memory_a * fm
+        b_compute, b_memory = linear_b * fl + attention_b * fa, memory_b * fm
         # The slower roof of each part (max() spelled out: every estimate of a turn's
         # candidates runs this).
         a = a_memory if a_memory > a_compute else a_compute
         b = b_memory if b_memory > b_compute else b_compute
-        return overhead + a + b
+        return overhead * self.overhead + a + b
 
-    def update(self, terms: Terms, observed: float, rate: float) -> None:
-        overhead, compute_a, memory_a, compute_b, memory_b = terms
-        fc, fm = self.compute, self.memory
-        a_compute, a_memory = compute_a * fc, memory_a * fm
-        b_compute, b_memory = compute_b * fc, memory_b * fm
-        a = max(a_compute, a_memory)
-        b = max(b_compute, b_memory)
-        excess = observed - overhead
-        ratio = excess / (a + b)
-        # Each roof moves by the observed/predicted ratio, as much as it binds the prediction.
-        compute_share = (
-            (a if a_compute >= a_memory else 0.0) + (b if b_compute >= b_memory else 0.0)
-        ) / (a + b)
-        if compute_share > 0.0:
-            self.compute = blend(fc, fc * ratio, rate * compute_share)
-        if compute_share < 1.0:
-            self.memory = blend(fm, fm * ratio, rate * (1.0 - compute_share))
-        # A roof that alone exceeds the observation is too high, binding or not.
-        compute = compute_a + compute_b
-        if compute * fc > excess:
-            self.compute = min(self.compute, blend(fc, excess / compute, rate))
-        memory = memory_a + memory_b
-        if memory * fm > excess:
-            self.memory = min(self.memory, blend(fm, excess / memory, rate))
+    def update(self, terms: Terms, observed: float, with_base: bool, memory_s: float) -> None:
+        """One observed stage (with the base when `with_base`): a step of recursive least
+        squares, forgetting over `memory_s` samples, on the error relative to the geometric
+        mean of the observation and the prediction (symmetric: a turn 4x faster than predicted
+        weighs what one 4x slower does)."""
+        overhead, linear_a, attention_a, memory_a, linear_b, attention_b, memory_b = terms
+        theta = [self.base, self.overhead, self.linear, self.attention, self.memory]
+        fl, fa, fm = self.linear, self.attention, self.memory
+        # Each part teaches the roof that binds it now.
+        x = [1.0 if with_base else 0.0, overhead, 0.0, 0.0, 0.0]
+        for linear, attention, memory in ((linear_a, attention_a, memory_a),
+                                          (linear_b, attention_b, memory_b)):  # fmt: skip
+            if linear * fl + attention * fa >= memory * fm:
+                x[2] += linear
+                x[3] += attention
+            else:
+                x[4] += memory
+        n = PARAMETERS
+        predicted = sum(theta[i] * x[i] for i in range(n))
+        if not observed > 0.0 or not predicted > 0.0:
+            return
+        scale = math.sqrt(observed * predicted)
+        z = [value / scale for value in x]
+        cov = self._cov
+        forget = 1.0 - 1.0 / memory_s
+        pz = [sum(cov[i][j] * z[j] for j in range(n)) for i in range(n)]
+        denominator = forget + sum(z[i] * pz[i] for i in range(n))
+        if not denominator > 0.0:
+            return
+        error = observed / scale - sum(theta[i] * z[i] for i in range(n))
+        for i in range(n):
+            gain = pz[i] / denominator
+            theta[i] += gain * error
+            row = cov[i]
+            for j in range(n):
+                row[j] = (row[j] - gain * pz[j]) / forget
+        # A direction no sample excites would grow without bound as it is forgotten (windup):
+        # no number is ever less certain than its prior.
+        for i in range(n):
+            variance = cov[i][i]
+            if variance > self._prior_var[i]:
+                shrink = math.sqrt(self._prior_var[i] / variance)
+                for j in range(n):
+                    cov[i][j] *= shrink
+                    cov[j][i] *= shrink
+        self.base = min(max(theta[0], 0.0), BASE_MAX_MS)
+        self.overhead = min(max(theta[1], FACTOR_MIN), FACTOR_MAX)
+        self.linear = min(max(theta[2], FACTOR_MIN), FACTOR_MAX)
+        self.attention = min(max(theta[3], FACTOR_MIN), FACTOR_MAX)
+        self.memory = min(max(theta[4], FACTOR_MIN), FACTOR_MAX)
 
 
 class Average:
@@ -96,18 +151,14 @@ class Average:
 
 
 class QueueModel:
-    """wait(q) = max(0, base + factor x q x typical), learned from wait samples (module)."""
+    """wait(q) = max(0, base + factor x q x typical), learned from wait samples (module); the
+    base is the prefill fit's (`Correction.base`)."""
 
-    __slots__ = ("_base", "_excess", "_load")
+    __slots__ = ("_excess", "_load")
 
     def __init__(self, typical_ms: float, rate: float) -> None:
-        self._base = Average(0.0, rate)
         self._excess = Average(typical_ms, rate)
         self._load = Average(typical_ms, rate)
-
-    @property
-    def base_ms(self) -> float:
-        return self._base.value
 
     @property
     def factor(self) -> float:
@@ -117,21 +168,19 @@ class QueueModel:
         factor = self._excess.value / load
         return min(max(factor, FACTOR_MIN), FACTOR_MAX)
 
-    def wait_ms(self, depth: float, typical_ms: float) -> float:
-        wait = self._base.value
+    def wait_ms(self, depth: float, typical_ms: float, base_ms: float) -> float:
+        wait = base_ms
         if depth > 0:
             wait += self.factor * depth * typical_ms
         return wait if wait > 0.0 else 0.0
 
-    def observe(self, wait_ms: float, depth: float, typical_ms: float) -> None:
-        """One wait sample of a turn that found `depth` requests queued ahead of it (a
-        fraction or a multiple of one where a request's prefill is known to be short or long)."""
-        if not math.isfinite(wait_ms):
+    def observe(self, excess_ms: float, depth: float, typical_ms: float) -> None:
+        """The wait past the base of a turn that found `depth` > 0 requests queued ahead of
+        it (a fraction or a multiple of one where a request's prefill is known to be short or
+        long)."""
+        if not math.isfinite(excess_ms) or depth <= 0:
             return
-        if depth <= 0:
-            self._base.add(wait_ms)
-            return
-        self._excess.add(wait_ms - self._base.value)
+        self._excess.add(excess_ms)
         self._load.add(depth * typical_ms)
 
 

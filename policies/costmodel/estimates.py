@@ -8,15 +8,18 @@ B = HBM bytes/s x tp x 0.85 (the prior's efficiencies):
   unchunked), each chunk's step fused with the decode step of the r streams running beside
   it (mean context x; r = 0 on a prefill worker), as continuous batching runs them. A chunk of
   m tokens after b tokens of context costs
-      compute = (2 P m + 4 L H d m (b + m / 2) + r (2 P + 4 L H d x)) / F
-      memory  = (W + kv (b + m) + kv r (x + 1)) / B
-  and the prefill = (number of chunks) x O + max(fc x compute, fm x memory) of the full chunks
+      linear    = (2 P m + r 2 P) / F
+      attention = (4 L H d m (b + m / 2) + r 4 L H d x) / F
+      memory    = (W + kv (b + m) + kv r (x + 1)) / B
+  and the prefill = (number of chunks) x O + max(fl x linear + fa x attention, fm x memory)
+  of the full chunks
   summed + the same of the last chunk: the full chunks share one regime, a short last chunk
   may sit in the other.
 - one decode step of b streams of mean context x:
-      compute = b (2 P + 4 L H d x) / F
-      memory  = (W + kv b (x + 1)) / B
-      step    = O + max(gc x compute, gm x memory)
+      linear    = b 2 P / F
+      attention = b 4 L H d x / F
+      memory    = (W + kv b (x + 1)) / B
+      step      = O + max(fl x linear + fa x attention, fm x memory)
 - queue wait behind q requests: max(0, base + fq x q x typical), where `typical` is the EWMA
   of the predicted prefill of each turn served (what a request ahead costs; q may count a
   request by its own predicted prefill over the mean placed, as `adaptive` does); the router
@@ -31,10 +34,12 @@ Each roof has its own correction factor, kept fleet-wide and per worker (a worke
 the fleet's factors when it first reports; a worker that never reported uses the fleet's). An
 observation moves each factor toward factor x observed / predicted (log-space EWMA at `rate`,
 weighted by the share of the prediction that roof binds), and pulls a factor down when its
-roof alone would exceed the observation. A prefill stage teaches the roofs only when the
+roof alone would exceed the observation; the compute roof's two factors share its move as
+their parts make it up, so turns of short and of long context tell them apart (attention
+reaches a different share of peak than the weights' products, on CPUs far less). A prefill stage teaches the roofs only when the
 turn found no request queued ahead (else the stage is mostly queue wait); the TTFT of a turn
 run whole (it reports no prefill stage), noisier, teaches the fleet's roofs only. Two factors per
-quantity let a prior GPU whose compute and bandwidth ratios differ from the real one's (h200
+quantity's roofs let a prior GPU whose compute and bandwidth ratios differ from the real one's (h200
 prior, a100 truth: 3.2x the FLOP/s but 2.4x the bandwidth) converge in both regimes.
 Factors stay within [0.05, 20]; non-finite, non-positive, hour-long and failed observations
 are ignored. Means (context, typical prefill, queue base, answer length, shared prefix)
@@ -73,6 +78,9 @@ STAGE_MS_MAX = 3.6e6
 MAX_TRACKED = 4096
 # Per-worker factors within this of the fleet's are taken as the fleet's (noise, not speed).
 WORKER_DEADBAND = 0.15
+# The fit of the base and the roof factors remembers about this many samples over `rate`:
+# four numbers need several samples each, more than one running mean does.
+FIT_MEMORY = 5.0
 # The workload's mean context moves slowly and its samples are heavy-tailed.
 CONTEXT_RATE_FRACTION = 0.2
 
@@ -98,7 +106,9 @@ class Estimates:
         # hardware's, and each stage teaches the roof it binds (decode steps the bandwidth,
         # long prefills the FLOP/s). Separate pairs let a short, memory-bound prefill
         # predicted as compute-bound (its memory factor never taught) inflate the compute one.
-        self._prefill = Correction()
+        self._prefill = Correction(
+            base_spread_ms=prior_prefill_ms(prior, chunk_tokens, TYPICAL_PROMPT_TOKENS)
+        )
         self._decode = self._prefill
         self._prefill_by_worker: dict[str, Correction] = {}
         self._decode_by_worker = self._prefill_by_worker
@@ -151,7 +161,8 @@ class Estimates:
         shares with others, whose overhead and weight reads are paid once for all."""
         terms = self.prior.prefill_terms(uncached if uncached > 1 else 1, max(cached, 0))
         correction = self._worker_correction(worker)
-        return correction.compute * (terms[1] + terms[3])
+        linear, attention = terms[1] + terms[4], terms[2] + terms[5]
+        return correction.linear * linear + correction.attention * attention
 
     def decode_step_ms(self, batch: int, context: float, worker: str | None = None) -> float:
         """One decode step of `batch` streams (at least one) of `context` tokens each."""
@@ -168,7 +179,11 @@ class Estimates:
         own = self._prefill_by_worker.get(worker) if worker is not None else None
         if own is None:
             return fleet
-        if abs(own.compute / fleet.compute - 1.0) > WORKER_DEADBAND:
+        if abs(own.overhead / fleet.overhead - 1.0) > WORKER_DEADBAND:
+            return own
+        if abs(own.linear / fleet.linear - 1.0) > WORKER_DEADBAND:
+            return own
+        if abs(own.attention / fleet.attention - 1.0) > WORKER_DEADBAND:
             return own
         if abs(own.memory / fleet.memory - 1.0) > WORKER_DEADBAND:
             return own
@@ -199,10 +214,15 @@ class Estimates:
         """What one queued request's prefill takes in this workload (EWMA of predictions)."""
         return self._typical_prefill.value
 
+    @property
+    def base_ms(self) -> float:
+        """What a turn that finds no queue waits besides its prefill (fitted with the roofs)."""
+        return self._prefill.base
+
     def queue_wait_ms(self, depth: float) -> float:
         """Wait before a new request's prefill starts behind `depth` queued requests (a
         fraction or a multiple of one where a request's prefill is known to be short or long)."""
-        return self._queue.wait_ms(depth, self._typical_prefill.value)
+        return self._queue.wait_ms(depth, self._typical_prefill.value, self._prefill.base)
 
     def link_bps(self, src: str, dst: str) -> float | None:
         """Observed transfer rate of the link src -> dst, None until a transfer reported."""
@@ -213,9 +233,13 @@ class Estimates:
         prefill = self._prefill_by_worker.get(worker, self._prefill) if worker else self._prefill
         decode = self._decode_by_worker.get(worker, self._decode) if worker else self._decode
         return {
-            "prefill_compute": prefill.compute,
+            "prefill_overhead": prefill.overhead,
+            "prefill_linear": prefill.linear,
+            "prefill_attention": prefill.attention,
             "prefill_memory": prefill.memory,
-            "decode_compute": decode.compute,
+            "decode_overhead": decode.overhead,
+            "decode_linear": decode.linear,
+            "decode_attention": decode.attention,
             "decode_memory": decode.memory,
             "queue": self._queue.factor,
         }
@@ -249,7 +273,9 @@ class Estimates:
         if stage is not None:
             self._observe_prefill(outcome, leg, stage, queued or 0.0)
         elif queued is not None:
-            self._queue.observe(queued, _ahead(leg, outcome), self._typical_prefill.value)
+            self._queue.observe(
+                queued - self._prefill.base, _ahead(leg, outcome), self._typical_prefill.value
+            )
         if decoded or stage is not None:
             self._observe_size(outcome, leg)
         if plausible(outcome.transfer_ms, STAGE_MS_MAX) and outcome.transfer_bytes > 0:
@@ -260,7 +286,9 @@ class Estimates:
         step = outcome.decode_ms / (outcome.completion_tokens - 1)
         context = max(0, outcome.prompt_tokens) + 0.5 * outcome.completion_tokens
         terms = self.prior.decode_terms(running + 1, context)
-        self._learn(self._decode, self._decode_by_worker, outcome.decode_worker, terms, step)
+        self._learn(
+            self._decode, self._decode_by_worker, outcome.decode_worker, terms, step, False
+        )
         self._context.add(context)
 
     def _observe_prefill(
@@ -279,23 +307,17 @@ class Estimates:
         predicted = correction.predict(terms)
         depth = _depth(outcome)
         ahead = leg.ahead_ms if leg.ahead_ms > 0.0 else 0.0
-        if depth == 0 and ahead < predicted:
-            # A TTFT also holds the step in progress and the first token's relay: noisier
-            # than a measured prefill stage, it teaches the fleet's roofs, not the worker's.
-            # The stage also holds the wait for the prefill work placed ahead (no scrape
-            # counts a running prefill). Taken off, what is left is this prefill's time: a
-            # ledger counting too much or too little teaches the opposite error, which
-            # corrects it; behind more than this prefill, the ledger's error would drown it.
-            measured = plausible(outcome.prefill_ms, STAGE_MS_MAX)
-            self._learn(
-                self._prefill, self._prefill_by_worker, worker if measured else None, terms,
-                stage - ahead,
-            )  # fmt: skip
+        # The stage also holds the wait for the prefill work placed ahead (no scrape counts a
+        # running prefill): taken off, a turn that found no queue waited the base and its
+        # prefill. A ledger counting too much or too little ahead teaches the opposite error,
+        # which corrects it; behind more than this prefill, the ledger's error would drown it.
+        own = stage - ahead
+        if depth == 0 and ahead < predicted and own > 0.0:
+            self._learn(self._prefill, self._prefill_by_worker, worker, terms, own, True)
         depth_ahead = _ahead(leg, outcome)
-        # Where none was queued, the wait the ledger foresaw (the work placed ahead) is no
-        # wait a queue causes: the base learns only the rest (the step in progress).
-        waited = queued + stage - predicted - (ahead if depth_ahead <= 0 else 0.0)
-        self._queue.observe(waited, depth_ahead, self._typical_prefill.value)
+        if depth_ahead > 0:
+            excess = queued + stage - predicted - correction.base
+            self._queue.observe(excess, depth_ahead, self._typical_prefill.value)
 
     def _observe_size(self, outcome: Outcome, leg: PrefillLeg) -> None:
         """What a request ahead in a queue costs: this workload's prefill, as predicted (an
@@ -328,15 +350,21 @@ class Estimates:
         worker: str | None,
         terms: Terms,
         observed: float,
+        with_base: bool,
     ) -> None:
-        rate = self.rate
+        memory = FIT_MEMORY / self.rate
         if worker is not None:
             own = by_worker.get(worker)
             if own is None and len(by_worker) < MAX_TRACKED:
                 own = by_worker[worker] = fleet.copy()
             if own is not None:
-                own.update(terms, observed, rate)
-        fleet.update(terms, observed, rate)
+                own.update(terms, observed, with_base, memory)
+        fleet.update(terms, observed, with_base, memory)
+
+
+def prior_prefill_ms(prior: RooflinePrior, chunk_tokens: int | None, tokens: int) -> float:
+    """The uncorrected prefill of `tokens` fresh tokens."""
+    return Correction().predict(prior.prefill_terms(tokens, 0, chunk_tokens))
 
 
 WHOLE_ACTIONS = ("colocate", "recompute")

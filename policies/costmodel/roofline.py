@@ -12,9 +12,12 @@ from policies.costmodel.priors import (
     ModelPrior,
 )
 
-# (overhead, compute, memory, compute, memory) in ms: a stage as two parts, each bound by the
-# slower of its roofs, so a short last chunk is not averaged into the full ones.
-Terms = tuple[float, float, float, float, float]
+# (overhead, linear, attention, memory, linear, attention, memory) in ms: a stage as two parts,
+# each bound by the slower of its roofs (compute = linear + attention), so a short last chunk
+# is not averaged into the full ones. Compute is two terms because the weights' matrix products
+# and attention over the context reach different shares of peak: attention's share grows with
+# a session's context, and one factor for both mispredicts a long session's turns.
+Terms = tuple[float, float, float, float, float, float, float]
 
 
 class RooflinePrior:
@@ -65,36 +68,47 @@ class RooflinePrior:
         full = chunks - 1
         last = uncached - full * size
         before = cached + full * size  # context ahead of the last chunk
-        flops_last = fpt * last + fpp * last * (before + 0.5 * last)
+        linear_last = fpt * last
+        attention_last = fpp * last * (before + 0.5 * last)
         bytes_last = self._weight_bytes + kv * (before + last)
-        flops_full = bytes_full = 0.0
+        linear_full = attention_full = bytes_full = 0.0
         if full:
-            flops_full = full * size * (fpt + fpp * (cached + 0.5 * size * full))
+            linear_full = full * size * fpt
+            attention_full = full * size * fpp * (cached + 0.5 * size * full)
             bytes_full = full * (self._weight_bytes + kv * (cached + 0.5 * size * (full + 1)))
         if running > 0:
             # The decode step of the streams running beside, fused into every chunk's step.
-            flops_step = running * (fpt + fpp * context)
+            linear_step = running * fpt
+            attention_step = running * fpp * context
             bytes_step = running * kv * (context + 1.0)
-            flops_full += full * flops_step
+            linear_full += full * linear_step
+            attention_full += full * attention_step
             bytes_full += full * bytes_step
-            flops_last += flops_step
+            linear_last += linear_step
+            attention_last += attention_step
             bytes_last += bytes_step
         per_flop, per_byte = self._flops_per_ms, self._bytes_per_ms
         return (
             chunks * self.overhead_ms,
-            flops_full / per_flop,
+            linear_full / per_flop,
+            attention_full / per_flop,
             bytes_full / per_byte,
-            flops_last / per_flop,
+            linear_last / per_flop,
+            attention_last / per_flop,
             bytes_last / per_byte,
         )
 
     def decode_terms(self, batch: int, context: float) -> Terms:
-        flops = batch * (self._flops_per_token + self._flops_per_pair * context)
+        linear = batch * self._flops_per_token
+        attention = batch * self._flops_per_pair * context
         nbytes = self._weight_bytes + self._kv_bytes * batch * (context + 1.0)
+        per_flop = self._flops_per_ms
         return (
             self.overhead_ms,
             0.0,
             0.0,
-            flops / self._flops_per_ms,
+            0.0,
+            linear / per_flop,
+            attention / per_flop,
             nbytes / self._bytes_per_ms,
         )

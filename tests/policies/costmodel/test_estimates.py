@@ -196,7 +196,7 @@ def test_a_prefill_behind_more_than_its_own_work_teaches_no_roof() -> None:
     for _ in range(50):
         outcome, leg = behind_placed_work(Truth(), rng, 50.0)
         estimates.observe(msgspec.structs.replace(outcome, decode_ms=None), leg)
-    assert estimates.factors()["prefill_compute"] == reference.factors()["prefill_compute"]
+    assert estimates.factors()["prefill_linear"] == reference.factors()["prefill_linear"]
     assert estimates.factors()["prefill_memory"] == reference.factors()["prefill_memory"]
 
 
@@ -258,7 +258,7 @@ def test_queue_wait_learns_from_the_queue_the_placement_weighed() -> None:
         typical = estimates.typical_prefill_ms
         wait = typical * weight * count
         assert outcome.prefill_ms is not None
-        leg = PrefillLeg(0, 0, 0.0, queued=weight * count)
+        leg = PrefillLeg(outcome.cached_tokens, 0, 0.0, queued=weight * count)
         estimates.observe(
             msgspec.structs.replace(
                 outcome, prefill_ms=outcome.prefill_ms + wait, worker_waiting_at_start=count
