@@ -202,13 +202,13 @@ class TurnTerms:
         what the link's ledger holds: the bytes in flight and reserved drain at the link's
         rate meanwhile (a handoff queued behind long prefills reserves its bytes long before
         it sends them). The rate is the link's capacity (else its observed rate, else
-        `default_bps`), capped by the rate this policy measured on it, and a transfer gets at
-        least `LINK_FLOOR_FRACTION` of it; without the link in the view, the measured or
-        default rate alone, or where its NICs give it one, that rate as of an idle link
-        (`policies.types.ClusterView`)."""
+        `default_bps`), capped by the rate this policy measured on it (on a link it has not
+        used, on the others), and a transfer gets at least `LINK_FLOOR_FRACTION` of it;
+        without the link in the view, the measured or default rate alone, or where its NICs
+        give it one, that rate as of an idle link (`policies.types.ClusterView`)."""
         if nbytes <= 0:
             return 0.0
-        measured = self._estimates.link_bps(src, dst)
+        measured = self._estimates.expected_link_bps(src, dst)
         link = self._links.get((src, dst))
         if link is None:
             # Left out of the view's links: idle at its NICs' rate, where both are known.

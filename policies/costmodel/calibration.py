@@ -1,24 +1,27 @@
-"""The learning parts of `policies.costmodel.estimates`: roof correction factors, running means and
-the queue-wait model.
+"""The learning parts of `policies.costmodel.estimates`: the fit of the roofline's correction,
+running means and the queue-wait model.
+
+The correction (`Correction`) is a linear model of a stage's ms in five numbers, theta =
+(base, fo, fl, fa, fm), over the stage's terms x = (1 for a prefill stage's base, the step
+overhead, and the linear, attention or memory terms of the roof that binds each part):
+observed = theta . x. Each observation is a step of recursive least squares with forgetting
+(about `memory` samples), on the error relative to sqrt(observed x predicted), so a stage
+4x faster than predicted weighs what one 4x slower does, and seconds-long outliers weigh what
+their ratio says, not their ms. The covariance starts at the prior's spread (`FACTOR_SPREAD`,
+the base's own spread) and no variance may grow past it: a direction no sample excites (a
+roof that never binds) would otherwise grow without bound as it is forgotten.
 
 Queue wait, as the router can measure it: the router forwards a turn at once, so its own
 queue stage (decision to the first leg sent) is about 0 and the wait happens inside the
 engine, before the prefill runs. What a turn measures is the prefill stage (a handoff's
-prefill leg) or its TTFT (a turn run whole on one worker): queue wait + prefill. The wait
-sample is that stage less the prefill predicted for it (plus the router's own queue stage),
-so the queue model learns the time the roofline cannot explain, and the roof factors learn
-only from turns that found no queue ahead.
+prefill leg) or its TTFT (a turn run whole on one worker): queue wait + prefill.
 
     wait(q) = max(0, base + factor x q x typical)
 
-`base` is what a turn that finds no queue waits besides its prefill (the step in progress,
-the engine's handling, the router's legs; the prefill work the placement knew was ahead is
-the policy's ledger's to predict). It is fitted together with the roofs on those turns: one
-ratio, observed / (base + prefill), moves each of them in log space as much as it makes up
-the prediction, so neither takes the other's share (fitted apart, a base learning the mean
-residual of roofs learning the geometric mean keeps a constant that flattens the prefill's
-slope across prompt sizes) and a rare slow turn moves them by a ratio, not by its ms. `factor`
-the ratio of the mean excess wait (sample - base) to the mean q x typical over the samples
+`base` is the fit's: what a turn that finds no queue waits besides its prefill (the step in
+progress, the engine's handling, the router's legs; the prefill work the placement knew was
+ahead is the policy's ledger's to predict). `factor` is the ratio of the mean excess wait
+(the stage less the predicted prefill and the base) to the mean q x typical over the samples
 with q > 0 (a ratio of means, not a mean of ratios, so noisy small samples do not bias it),
 starting at 1 (each request ahead costs one typical prefill), kept within the factor bounds.
 """
@@ -186,13 +189,6 @@ class QueueModel:
 
 def plausible(value: float | None, limit: float) -> bool:
     return value is not None and 0.0 < value < limit
-
-
-def blend(factor: float, target: float, rate: float) -> float:
-    """Move `factor` toward `target` by `rate` in log space, both kept in the factor bounds."""
-    target = min(max(target, FACTOR_MIN), FACTOR_MAX) if target == target else factor
-    blended = factor * math.exp(rate * math.log(target / factor))
-    return min(max(blended, FACTOR_MIN), FACTOR_MAX)
 
 
 def queue_ahead(worker: WorkerView) -> int:

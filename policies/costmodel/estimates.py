@@ -11,39 +11,40 @@ B = HBM bytes/s x tp x 0.85 (the prior's efficiencies):
       linear    = (2 P m + r 2 P) / F
       attention = (4 L H d m (b + m / 2) + r 4 L H d x) / F
       memory    = (W + kv (b + m) + kv r (x + 1)) / B
-  and the prefill = (number of chunks) x O + max(fl x linear + fa x attention, fm x memory)
-  of the full chunks
-  summed + the same of the last chunk: the full chunks share one regime, a short last chunk
-  may sit in the other.
+  and the prefill = (number of chunks) x fo x O + max(fl x linear + fa x attention,
+  fm x memory) of the full chunks summed + the same of the last chunk: the full chunks share
+  one regime, a short last chunk may sit in the other.
 - one decode step of b streams of mean context x:
       linear    = b 2 P / F
       attention = b 4 L H d x / F
       memory    = (W + kv b (x + 1)) / B
-      step      = O + max(fl x linear + fa x attention, fm x memory)
+      step      = fo x O + max(fl x linear + fa x attention, fm x memory)
 - queue wait behind q requests: max(0, base + fq x q x typical), where `typical` is the EWMA
   of the predicted prefill of each turn served (what a request ahead costs; q may count a
   request by its own predicted prefill over the mean placed, as `adaptive` does); the router
   measures the wait only inside a stage, the prefill leg of a split turn or the TTFT of a
-  whole one, so each wait sample is that stage less its predicted prefill
+  whole one, so each wait sample is that stage less its predicted prefill and the base
   (`policies.costmodel.calibration`, which holds the learning parts);
-- link rate: EWMA of observed bytes / second per (src, dst) link;
+- link rate: EWMA of observed bytes / second per (src, dst) link, and over every link for a
+  link not used yet;
 - workload means: the answer length (completion tokens) and the shared prefix, the tokens a
   fresh session's first turn, run whole on one worker, found cached there (`observe_fresh`).
 
-Each roof has its own correction factor, kept fleet-wide and per worker (a worker starts from
-the fleet's factors when it first reports; a worker that never reported uses the fleet's). An
-observation moves each factor toward factor x observed / predicted (log-space EWMA at `rate`,
-weighted by the share of the prediction that roof binds), and pulls a factor down when its
-roof alone would exceed the observation; the compute roof's two factors share its move as
-their parts make it up, so turns of short and of long context tell them apart (attention
-reaches a different share of peak than the weights' products, on CPUs far less). A prefill stage teaches the roofs only when the
-turn found no request queued ahead (else the stage is mostly queue wait); the TTFT of a turn
-run whole (it reports no prefill stage), noisier, teaches the fleet's roofs only. Two factors per
-quantity's roofs let a prior GPU whose compute and bandwidth ratios differ from the real one's (h200
-prior, a100 truth: 3.2x the FLOP/s but 2.4x the bandwidth) converge in both regimes.
-Factors stay within [0.05, 20]; non-finite, non-positive, hour-long and failed observations
-are ignored. Means (context, typical prefill, queue base, answer length, shared prefix)
-start as running means with the prior as one sample, then turn into EWMAs.
+The base and the factors fo, fl, fa and fm are one model, fitted fleet-wide and per worker (a
+worker starts from the fleet's fit when it first reports; a worker that never reported uses
+the fleet's) by recursive least squares (`Correction`): a prefill stage that found no request
+queued ahead teaches all five (base + prefill; else the stage is mostly queue wait, and
+teaches the queue), a decode step the four factors. Each part of a stage teaches the roof that
+binds it. Fitted together, the numbers do not take each other's share: a base learnt apart,
+as the mean residual of factors, keeps a constant that flattens the prefill's slope across
+prompt sizes; one compute factor cannot price a long session's attention (on CPUs its share
+of peak is far below the weights' products'); a fixed step overhead hands a CPU's slow steps
+to the memory factor, which then makes short prefills memory-bound. Two roofs let a prior GPU
+whose compute and bandwidth ratios differ from the real one's (h200 prior, a100 truth: 3.2x
+the FLOP/s but 2.4x the bandwidth) converge in both regimes. Factors stay within [0.05, 20],
+the base within a minute; non-finite, non-positive, hour-long and failed observations are
+ignored. Means (context, typical prefill, answer length, shared prefix) start as running
+means with the prior as one sample, then turn into EWMAs.
 
 Outcome counts: `worker_running_at_start` is read as the decode batch the turn joined (and, for
 a turn prefilled where it decodes, the streams its prefill shared steps with, at the mean
@@ -113,6 +114,7 @@ class Estimates:
         self._prefill_by_worker: dict[str, Correction] = {}
         self._decode_by_worker = self._prefill_by_worker
         self._link_bps: dict[tuple[str, str], float] = {}
+        self._fleet_link_bps: float | None = None
         self._context = Average(float(TYPICAL_PROMPT_TOKENS), rate * CONTEXT_RATE_FRACTION)
         self._completion = Average(float(TYPICAL_COMPLETION_TOKENS), rate * CONTEXT_RATE_FRACTION)
         self._shared = Average(0.0, rate)
@@ -228,6 +230,13 @@ class Estimates:
         """Observed transfer rate of the link src -> dst, None until a transfer reported."""
         return self._link_bps.get((src, dst))
 
+    def expected_link_bps(self, src: str, dst: str) -> float | None:
+        """The link's observed rate, else that of every link's transfers (a link the fleet has
+        not used yet is taken to run like those it has: the same fabric, the same engines'
+        connector), None before any transfer reported."""
+        known = self._link_bps.get((src, dst))
+        return known if known is not None else self._fleet_link_bps
+
     def factors(self, worker: str | None = None) -> dict[str, float]:
         """The current correction factors (fleet-wide, or of `worker`), for reports."""
         prefill = self._prefill_by_worker.get(worker, self._prefill) if worker else self._prefill
@@ -286,9 +295,7 @@ class Estimates:
         step = outcome.decode_ms / (outcome.completion_tokens - 1)
         context = max(0, outcome.prompt_tokens) + 0.5 * outcome.completion_tokens
         terms = self.prior.decode_terms(running + 1, context)
-        self._learn(
-            self._decode, self._decode_by_worker, outcome.decode_worker, terms, step, False
-        )
+        self._learn(self._decode, self._decode_by_worker, outcome.decode_worker, terms, step, False)
         self._context.add(context)
 
     def _observe_prefill(
@@ -335,6 +342,8 @@ class Estimates:
         bps = min(
             max(outcome.transfer_bytes * 1000.0 / outcome.transfer_ms, LINK_BPS_MIN), LINK_BPS_MAX
         )
+        fleet = self._fleet_link_bps
+        self._fleet_link_bps = bps if fleet is None else fleet + self.rate * (bps - fleet)
         key = (src, dst)
         known = self._link_bps.get(key)
         if known is None:

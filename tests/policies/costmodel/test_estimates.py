@@ -285,6 +285,21 @@ def test_link_rate_is_an_ewma_of_observed_transfers() -> None:
     assert estimates.link_bps("d1", "d1") is None
 
 
+def test_a_link_not_used_yet_is_expected_to_run_like_the_others() -> None:
+    estimates = Estimates.from_presets(rate=0.5)
+    assert estimates.expected_link_bps("p2", "d2") is None
+    estimates.observe(_outcome(transfer_ms=100.0, transfer_bytes=1_000_000_000))
+    estimates.observe(
+        _outcome(prefill_worker="p2", decode_worker="d1", transfer_ms=50.0,
+                 transfer_bytes=1_000_000_000)
+    )  # fmt: skip
+    # its own rate where it has one; else every link's EWMA: 10 GB/s, then halfway to 20
+    assert estimates.expected_link_bps("p1", "d1") == pytest.approx(10e9)
+    assert estimates.expected_link_bps("p2", "d1") == pytest.approx(20e9)
+    assert estimates.expected_link_bps("p2", "d2") == pytest.approx(15e9)
+    assert estimates.link_bps("p2", "d2") is None
+
+
 def test_failed_outcomes_and_missing_stages_teach_nothing() -> None:
     estimates = Estimates.from_presets()
     reference = Estimates.from_presets()
