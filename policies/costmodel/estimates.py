@@ -25,8 +25,8 @@ B = HBM bytes/s x tp x 0.85 (the prior's efficiencies):
   measures the wait only inside a stage, the prefill leg of a split turn or the TTFT of a
   whole one, so each wait sample is that stage less its predicted prefill and the base
   (`policies.costmodel.calibration`, which holds the learning parts);
-- link rate: EWMA of observed bytes / second per (src, dst) link, and over every link for a
-  link not used yet;
+- link rate: EWMA of observed bytes / second per (src, dst) link (at `LINK_RATE_FACTOR` x
+  rate), and over every link for a link not used yet;
 - workload means: the answer length (completion tokens) and the shared prefix, the tokens a
   fresh session's first turn, run whole on one worker, found cached there (`observe_fresh`).
 
@@ -82,6 +82,9 @@ WORKER_DEADBAND = 0.15
 # The fit of the base and the roof factors remembers about this many samples over `rate`:
 # four numbers need several samples each, more than one running mean does.
 FIT_MEMORY = 5.0
+# A link's rate moves with what its two ends run (on CPUs a pull waits for the source engine's
+# steps), faster than a GPU's speed: its EWMA follows at this many times `rate`.
+LINK_RATE_FACTOR = 3.0
 # The workload's mean context moves slowly and its samples are heavy-tailed.
 CONTEXT_RATE_FRACTION = 0.2
 
@@ -342,15 +345,16 @@ class Estimates:
         bps = min(
             max(outcome.transfer_bytes * 1000.0 / outcome.transfer_ms, LINK_BPS_MIN), LINK_BPS_MAX
         )
+        rate = min(1.0, LINK_RATE_FACTOR * self.rate)
         fleet = self._fleet_link_bps
-        self._fleet_link_bps = bps if fleet is None else fleet + self.rate * (bps - fleet)
+        self._fleet_link_bps = bps if fleet is None else fleet + rate * (bps - fleet)
         key = (src, dst)
         known = self._link_bps.get(key)
         if known is None:
             if len(self._link_bps) < MAX_TRACKED:
                 self._link_bps[key] = bps
             return
-        self._link_bps[key] = known + self.rate * (bps - known)
+        self._link_bps[key] = known + rate * (bps - known)
 
     def _learn(
         self,

@@ -179,6 +179,14 @@ class BatchWriter:
                 "EVALSHA", scripts.link_capacity, 2, link_key, keys.links_index, lid, src, dst,
                 repr(float(capacity)), self._link_ttl_ms,
             ))  # fmt: skip
+        for reserve in batch.reserves:
+            r = reserve.reservation
+            lid, link_key, lease_key, resv_key = keys.link(r.src, r.dst)
+            add((
+                "EVALSHA", scripts.link_reserve, 4, link_key, lease_key, resv_key,
+                keys.links_index, lid, r.src, r.dst, r.id, r.nbytes, reserve.lease_ms,
+                self._link_ttl_ms,
+            ))  # fmt: skip
         for release in batch.releases:
             r = release.reservation
             lid, link_key, lease_key, resv_key = keys.link(r.src, r.dst)
@@ -192,7 +200,7 @@ class BatchWriter:
     async def _dispatch(
         self, batch: Batch, calls: list[tuple[str, list[SessionWrite]]], replies: list[Any]
     ) -> None:
-        retry = Batch([], [], [], [])
+        retry = Batch([], [], [], [], [])
         outage: BaseException | None = None
         reload = False
 
@@ -232,6 +240,15 @@ class BatchWriter:
         for capacity in batch.capacities:
             if rejected(next(position)) == "retry":
                 retry.capacities.append(capacity)
+        for reserve in batch.reserves:
+            reply = next(position)
+            verdict = rejected(reply)
+            if verdict == "retry":
+                retry.reserves.append(reserve)
+            elif verdict is None:
+                r = reserve.reservation
+                self._fleet.confirm_reservation(r)
+                self._fleet.put_link(link_from_ledger(r.src, r.dst, *reply[2:]))
         for release in batch.releases:
             reply = next(position)
             verdict = rejected(reply)

@@ -37,7 +37,7 @@ from router.state.records import (
 from router.state.redis_url import is_cluster
 from router.state.sync import StateSync
 from router.state.view import FleetView, SessionView
-from router.state.write_queue import ReleaseWrite, SessionWrite, WriteQueue
+from router.state.write_queue import ReleaseWrite, ReserveWrite, SessionWrite, WriteQueue
 
 __all__ = [
     "UNKNOWN",
@@ -211,7 +211,8 @@ class SharedState:
     async def reserve(
         self, src: str, dst: str, nbytes: int, kind: TransferKind, lease_s: float | None = None
     ) -> Reservation | None:
-        """Admit `nbytes` onto the link (one round trip); None when a migration is deferred.
+        """Admit `nbytes` onto the link; None when a migration is deferred. A migration takes one
+        round trip; a handoff none (always admitted, it reaches the ledger with the next batch).
 
         The admission rule is in `router.state.scripts`. While degraded, handoffs are admitted
         locally (a `local_only` reservation) and migrations deferred.
@@ -222,8 +223,16 @@ class SharedState:
         reservation_id = f"{kind[0]}-{uuid.uuid4().hex}"
         if self.degraded:
             return self._reserve_locally(reservation_id, src, dst, nbytes, kind, lease)
-        lid, link_key, lease_key, resv_key = self._keys.link(src, dst)
         lease_ms = max(1, int(lease * 1000))
+        if kind == "handoff":
+            # Always admitted: nothing to wait for on the turn's path. The view counts it now,
+            # the ledger from the next batch on (a release queued meanwhile follows it).
+            held = Reservation(reservation_id, src, dst, nbytes, kind, time.time() + lease)
+            self._fleet.add_local_reservation(held)
+            self._queue.add_reserve(ReserveWrite(held, lease_ms))
+            self._wake()
+            return held
+        lid, link_key, lease_key, resv_key = self._keys.link(src, dst)
         started = time.perf_counter()
         try:
             reply = await self._sync.evalsha(

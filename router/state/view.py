@@ -225,9 +225,15 @@ class FleetView:
         self._relist((src, dst))
 
     def add_local_reservation(self, reservation: Reservation) -> None:
-        """A reservation only this replica knows of (Redis did not take it) until it expires."""
+        """A reservation only this replica knows of until it expires: Redis did not take it
+        (`local_only`), or has not yet (`confirm_reservation`)."""
         self.local_reservations[reservation.id] = reservation
         self._links_changes += 1
+
+    def confirm_reservation(self, reservation: Reservation) -> None:
+        """Redis took the reservation: the ledger readings count it from now on."""
+        if self.local_reservations.pop(reservation.id, None) is not None:
+            self._links_changes += 1
 
     def drop_reservation(self, reservation: Reservation) -> None:
         """Take a released reservation out of the view now, before Redis confirms it."""

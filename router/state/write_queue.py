@@ -48,6 +48,15 @@ class SessionWrite:
 
 
 @dataclass(slots=True)
+class ReserveWrite:
+    """A handoff's reservation, admitted already (handoffs always are): the ledger learns of
+    it with the next batch, off the turn's path."""
+
+    reservation: Reservation
+    lease_ms: int
+
+
+@dataclass(slots=True)
 class ReleaseWrite:
     reservation: Reservation
     rate_bps: float | None
@@ -58,10 +67,14 @@ class Batch:
     sessions: list[SessionWrite]
     workers: list[WorkerRecord]
     capacities: list[tuple[str, str, float]]
+    reserves: list[ReserveWrite]
     releases: list[ReleaseWrite]
 
     def __len__(self) -> int:
-        return len(self.sessions) + len(self.workers) + len(self.capacities) + len(self.releases)
+        return (
+            len(self.sessions) + len(self.workers) + len(self.capacities) + len(self.reserves)
+            + len(self.releases)
+        )  # fmt: skip
 
 
 class WriteQueue:
@@ -73,13 +86,15 @@ class WriteQueue:
         self._sessions: dict[str, list[SessionWrite]] = {}
         self._workers: dict[str, WorkerRecord] = {}
         self._capacities: dict[tuple[str, str], float] = {}
+        self._reserves: dict[str, ReserveWrite] = {}
         self._releases: dict[str, ReleaseWrite] = {}
         self._session_writes = 0
 
     def __len__(self) -> int:
         return (
-            self._session_writes + len(self._workers) + len(self._capacities) + len(self._releases)
-        )
+            self._session_writes + len(self._workers) + len(self._capacities)
+            + len(self._reserves) + len(self._releases)
+        )  # fmt: skip
 
     def session_ids(self) -> set[str]:
         return set(self._sessions)
@@ -111,6 +126,11 @@ class WriteQueue:
     def add_capacity(self, src: str, dst: str, capacity_bps: float) -> None:
         self._capacities[(src, dst)] = capacity_bps
 
+    def add_reserve(self, reserve: ReserveWrite) -> None:
+        self._reserves[reserve.reservation.id] = reserve
+        if len(self._reserves) > self._limit:
+            del self._reserves[next(iter(self._reserves))]
+
     def add_release(self, release: ReleaseWrite) -> None:
         self._releases[release.reservation.id] = release
         if len(self._releases) > self._limit:
@@ -118,7 +138,7 @@ class WriteQueue:
 
     def take(self, limit: int) -> Batch:
         """Up to about `limit` writes, oldest first; a session's writes are taken together."""
-        batch = Batch([], [], [], [])
+        batch = Batch([], [], [], [], [])
         while self._sessions and len(batch.sessions) < limit:
             session_id = next(iter(self._sessions))
             writes = self._sessions.pop(session_id)
@@ -126,6 +146,8 @@ class WriteQueue:
             batch.sessions.extend(writes)
         batch.workers = _pop_some(self._workers, limit)
         batch.capacities = [(s, d, c) for (s, d), c in _pop_items(self._capacities, limit)]
+        # a batch sends its reserves before its releases: a release never overtakes its reserve
+        batch.reserves = _pop_some(self._reserves, limit)
         batch.releases = _pop_some(self._releases, limit)
         return batch
 
@@ -139,6 +161,8 @@ class WriteQueue:
             self._workers.setdefault(record.worker_id, record)
         for src, dst, capacity in batch.capacities:
             self._capacities.setdefault((src, dst), capacity)
+        for reserve in batch.reserves:
+            self._reserves.setdefault(reserve.reservation.id, reserve)
         for release in batch.releases:
             self._releases.setdefault(release.reservation.id, release)
         self._shed()

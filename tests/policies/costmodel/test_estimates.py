@@ -272,12 +272,12 @@ def test_queue_wait_learns_from_the_queue_the_placement_weighed() -> None:
 
 
 def test_link_rate_is_an_ewma_of_observed_transfers() -> None:
-    estimates = Estimates.from_presets(rate=0.5)
+    estimates = Estimates.from_presets(rate=0.1)  # links follow at 3 x rate
     assert estimates.link_bps("p1", "d1") is None
     for transfer_ms in (100.0, 50.0):
         estimates.observe(_outcome(transfer_ms=transfer_ms, transfer_bytes=1_000_000_000))
-    # 10 GB/s, then halfway toward 20 GB/s.
-    assert estimates.link_bps("p1", "d1") == pytest.approx(15e9)
+    # 10 GB/s, then 30% of the way toward 20 GB/s.
+    assert estimates.link_bps("p1", "d1") == pytest.approx(13e9)
     assert estimates.link_bps("d1", "p1") is None
     estimates.observe(
         _outcome(prefill_worker="d1", transfer_ms=10.0, transfer_bytes=1_000_000)
@@ -286,17 +286,18 @@ def test_link_rate_is_an_ewma_of_observed_transfers() -> None:
 
 
 def test_a_link_not_used_yet_is_expected_to_run_like_the_others() -> None:
-    estimates = Estimates.from_presets(rate=0.5)
+    estimates = Estimates.from_presets(rate=0.1)
     assert estimates.expected_link_bps("p2", "d2") is None
     estimates.observe(_outcome(transfer_ms=100.0, transfer_bytes=1_000_000_000))
     estimates.observe(
         _outcome(prefill_worker="p2", decode_worker="d1", transfer_ms=50.0,
                  transfer_bytes=1_000_000_000)
     )  # fmt: skip
-    # its own rate where it has one; else every link's EWMA: 10 GB/s, then halfway to 20
+    # its own rate where it has one; else every link's EWMA: 10 GB/s, then 30% of the way
+    # to 20 GB/s
     assert estimates.expected_link_bps("p1", "d1") == pytest.approx(10e9)
     assert estimates.expected_link_bps("p2", "d1") == pytest.approx(20e9)
-    assert estimates.expected_link_bps("p2", "d2") == pytest.approx(15e9)
+    assert estimates.expected_link_bps("p2", "d2") == pytest.approx(13e9)
     assert estimates.link_bps("p2", "d2") is None
 
 

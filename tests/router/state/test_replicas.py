@@ -42,6 +42,33 @@ async def test_handoff_reservation_is_shared_then_released(redis_url: str, prefi
         assert link(b).observed_bps == 0.0  # no duration, no rate sample
 
 
+async def test_a_handoff_reservation_waits_for_no_round_trip(redis_url: str, prefix: str) -> None:
+    """A handoff is always admitted: its turn's path waits for nothing. The replica's view
+    counts it at once, the ledger from the next batch; its release, queued before that
+    batch, follows it there (and brings its rate sample)."""
+    roundtrips: list[str] = []
+    async with (
+        running(redis_url, prefix, "a", on_roundtrip=lambda kind, _: roundtrips.append(kind),
+                batch_interval_s=0.3) as a,
+        running(redis_url, prefix, "b") as b,
+    ):  # fmt: skip
+        roundtrips.clear()
+        held = await a.reserve(*LINK, 4096, "handoff")
+        assert held is not None and not held.local_only
+        assert roundtrips == []
+        assert (link(a).handoff_bytes, link(a).reservations) == (4096, 1)
+        await eventually(lambda: (link(b).handoff_bytes, link(b).reservations) == (4096, 1))
+        second = await a.reserve(*LINK, 1000, "handoff")
+        assert second is not None
+        a.release(second, 1000, 0.5)
+        assert (link(a).handoff_bytes, link(a).reservations) == (4096, 1)
+        await eventually(lambda: link(b).observed_bps == 2000.0)
+        assert (link(b).handoff_bytes, link(b).reservations) == (4096, 1)
+        a.release(held, 4096, 0.0)
+        await eventually(lambda: (link(b).handoff_bytes, link(b).reservations) == (0, 0))
+        assert (link(a).handoff_bytes, link(a).reservations) == (0, 0)
+
+
 async def test_a_lease_expires_without_release(redis_url: str, prefix: str) -> None:
     async with running(redis_url, prefix, "a") as a, running(redis_url, prefix, "b") as b:
         held = await a.reserve(*LINK, 1000, "handoff", lease_s=1.0)
@@ -79,6 +106,8 @@ async def test_migration_admission(
         await eventually(lambda: link(b).capacity_bps == 1000.0)
         for size in handoffs:  # another replica's handoffs count too
             assert await b.reserve(*LINK, size, "handoff", lease_s=1.0) is not None
+        # once in the ledger: a handoff reaches it with its replica's next batch
+        await eventually(lambda: link(a).handoff_bytes == sum(handoffs))
         for size in migrations:
             assert await a.reserve(*LINK, size, "migration", lease_s=1.0) is not None
         result = await a.reserve(*LINK, nbytes, "migration", lease_s=1.0)
