@@ -81,8 +81,10 @@ Candidates, each with ttft = queue + compute + own wait + H (decode-side terms i
   session): n = U after C on the resident, P - S after S elsewhere; queue(w).
 - handoff p -> d: prefill on p as above, move the tokens d lacks ((P - C) x kv bytes when d is
   resident, else (P - S) x kv), then one decode step on d with its R' + 1 streams;
-  queue = queue(p) + max(slot(d), queue(d) - (the time until the KV arrives)): d's queue
-  drains meanwhile, but a full worker stays full as turns keep coming (its slot wait stays).
+  queue = queue(p) + max(slot(d), queue(d) - (the time until the KV arrives), base): d's
+  queue drains meanwhile, but a full worker stays full as turns keep coming (its slot wait
+  stays), and the decode leg, a request of its own, waits at least the base
+  (`Estimates.base_ms`) however idle d is.
 - migrate r -> d: as the router runs it, a handoff from the resident r.
 - held (a whole turn on w, or a handoff from w, whose prefill harms the R streams on w, each
   of them a request this policy placed there, `StreamLedger`): the router holds the turn
@@ -264,6 +266,10 @@ class Scorer(TurnTerms):
         decode_queue = receiver.queue_ms - ready
         slot = receiver.slot_ms
         decode_queue = slot if slot > decode_queue else decode_queue
+        # The decode leg is a request of its own, sent once the prefill leg answered: it
+        # waits at least what any request waits besides its steps (the fit's base).
+        base = self._estimates.base_ms
+        decode_queue = base if base > decode_queue else decode_queue
         waited = decode_queue if decode_queue > 0.0 else 0.0
         decode_ms = self._own_gaps * self._answer_step(decode)
         held_exposure = self._held_exposure(decode.worker_id, ready + waited, decode_ms)
