@@ -72,5 +72,8 @@ def test_guidellm_finishes_without_errors(
     report = json.loads((tmp_path / "benchmarks.json").read_text())
     totals = report["benchmarks"][0]["metrics"]["request_totals"]
     print(f"\n[guidellm] {totals}")
-    assert totals["successful"] == PROMPTS
     assert totals["errored"] == 0 and totals["incomplete"] == 0
+    # guidellm ends the run at its request count and leaves out a request it queued but had
+    # not started by then (guidellm/benchmark/schemas/accumulator.py: "cancelled before
+    # starting"): every request it sent succeeded, all or all but that one
+    assert totals["successful"] == totals["total"] >= PROMPTS - 1
