@@ -77,8 +77,8 @@ def _held(fleet: FleetIndex) -> dict[str, object]:
 
 
 def _views(rng: random.Random, steps: int) -> Iterator[tuple[WorkerView, ...]]:
-    """Views of a fleet whose workers change a few at a time (a scrape, an in-flight count),
-    now and then all at once, join, leave, or come twice."""
+    """Views of a fleet whose workers change a few at a time (a scrape, an in-flight count
+    alone), now and then all at once, join, leave, or come twice."""
     count = rng.choice((1, 2, 8, 40))
     workers = [_worker(rng, f"w{i}", rng.choice(_ROLES)) for i in range(count)]
     for _ in range(steps):
@@ -94,6 +94,10 @@ def _views(rng: random.Random, steps: int) -> Iterator[tuple[WorkerView, ...]]:
                 pass
             case 4:  # one is listed twice
                 workers.append(rng.choice(workers))
+            case 5 | 6:  # a leg sent or ended: one worker's in-flight count, nothing else
+                i = rng.randrange(len(workers))
+                moved = max(0, workers[i].inflight + rng.choice((-1, 1)))
+                workers[i] = msgspec.structs.replace(workers[i], inflight=moved)
             case _:
                 for _ in range(rng.randint(1, 3)):
                     i = rng.randrange(len(workers))
