@@ -101,6 +101,17 @@ class Residency(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     turns: int = 0
 
 
+class WorkerChanges(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where a view's `workers` may differ from an earlier view's, `since` (a tuple of the
+    same length): only at `positions`; every other position holds the same `WorkerView`
+    object. The view's builder knows which workers it rebuilt; a policy that keeps state per
+    worker and saw `since` re-reads only those, not the whole fleet (one that did not
+    compares the workers itself)."""
+
+    since: tuple[WorkerView, ...]
+    positions: tuple[int, ...]
+
+
 class ClusterView(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A snapshot of the fleet for one decision.
 
@@ -108,7 +119,8 @@ class ClusterView(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     a link it leaves out between two workers of `workers` that both know their NIC rate, from
     a prefill-capable one to another decode-capable one, is idle at the lower of the two
     rates (`link`). A fleet of N workers has up to N x (N - 1) links: listing only those keeps
-    the view as small as the transfers under way.
+    the view as small as the transfers under way. `changes`, where given, says which of
+    `workers` changed since an earlier view's (`WorkerChanges`).
     """
 
     now_s: float
@@ -116,6 +128,7 @@ class ClusterView(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     links: tuple[LinkView, ...] = ()
     residency: Residency | None = None
     kv_bytes_per_token: int = 131072
+    changes: WorkerChanges | None = None
 
     def worker(self, worker_id: str) -> WorkerView | None:
         for worker in self.workers:

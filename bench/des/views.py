@@ -5,8 +5,9 @@ every `scrape_interval_s` from time 0, and `scraped_at_s` says when. In-flight c
 current (the router counts its own legs). Links come from the reservation ledger.
 
 Each worker's `WorkerView` is built at a scrape and again only when its in-flight counts
-change, and the workers' tuple is shared by the turns decided between two changes: a turn
-costs no pass over the fleet here.
+change, and the workers' tuple is shared by the turns decided between two changes (the view's
+`changes` names the workers rebuilt since the tuple before): a turn costs no pass over the
+fleet here.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from bench.des.cluster import Cluster, Leg
 from bench.des.config import SimConfig
 from bench.des.ledger import LinkLedger
 from bench.des.loop import EventLoop
-from policies.types import ClusterView, Residency, WorkerView
+from policies.types import ClusterView, Residency, WorkerChanges, WorkerView
 
 
 class ViewBuilder:
@@ -41,6 +42,7 @@ class ViewBuilder:
         self._workers = [self._built(i, (0, 0, 0.0), None) for i in range(count)]
         self._changed: dict[int, None] = {}  # workers whose in-flight counts changed
         self._shared: tuple[WorkerView, ...] | None = None  # the views' tuple, until a change
+        self._changes: WorkerChanges | None = None  # where it differs from the one before
 
     def start(self, loop: EventLoop) -> None:
         """Scrape at the current time, then every interval, until the loop stops."""
@@ -118,6 +120,10 @@ class ViewBuilder:
                 views[i] = msgspec.structs.replace(
                     views[i], inflight=inflight[i], started_since_scrape=started[i]
                 )
+            # after a scrape every view is new: the policy compares them all
+            self._changes = (
+                None if workers is None else WorkerChanges(workers, tuple(self._changed))
+            )
             self._changed.clear()
             workers = self._shared = tuple(views)
         return ClusterView(
@@ -126,4 +132,5 @@ class ViewBuilder:
             links=self._ledger.views(now),
             residency=residency,
             kv_bytes_per_token=self._kv_bytes,
+            changes=self._changes,
         )

@@ -37,6 +37,7 @@ from policies.types import (
     Outcome,
     Residency,
     Turn,
+    WorkerChanges,
     WorkerView,
     action_of,
 )
@@ -78,15 +79,17 @@ def turns(
     0, every worker's load drawn again for every turn; else each worker scraped once an
     interval (at a phase of its own) and two in-flight counts moved by one per turn (a leg
     sent, one ended), the other workers' views shared with the turn before, as the router
-    and the simulator share them."""
+    and the simulator share them (and name the ones built again: `ClusterView.changes`)."""
     rng = random.Random(seed)
     links = _links(len(roles))
     decoders = [f"w{i}" for i, role in enumerate(roles) if role != "prefill"]
     now = 1_000_000.0
     views: list[WorkerView] = []
     due: list[float] = []  # each worker's next scrape
+    workers: tuple[WorkerView, ...] = ()
     for n in range(count):
         now += rng.expovariate(200.0)
+        changes = None
         if scrape_interval_s <= 0.0:
             workers = tuple(_drawn(rng, i, role) for i, role in enumerate(roles))
         elif not views:
@@ -94,14 +97,18 @@ def turns(
             due = [now + rng.uniform(0.0, scrape_interval_s) for _ in roles]
             workers = tuple(views)
         else:
+            changed: list[int] = []  # the views built again: the view's `changes`
             for i, role in enumerate(roles):
                 if due[i] <= now:
                     views[i] = _drawn(rng, i, role, now)
                     due[i] += scrape_interval_s * (1 + (now - due[i]) // scrape_interval_s)
+                    changed.append(i)
             for _ in range(2):
                 i = rng.randrange(len(roles))
                 moved = views[i].inflight + rng.choice((-1, 1))
                 views[i] = msgspec.structs.replace(views[i], inflight=moved if moved > 0 else 0)
+                changed.append(i)
+            changes = WorkerChanges(since=workers, positions=tuple(changed))
             workers = tuple(views)
         prompt = rng.choice(_PROMPTS)
         residency = None
@@ -117,7 +124,8 @@ def turns(
             objectives=Objectives(ttft_ms=1000.0 + 0.2 * prompt, itl_ms=100.0), arrival_s=now,
         )  # fmt: skip
         yield turn, ClusterView(now_s=now, workers=workers, links=links, residency=residency,
-                                kv_bytes_per_token=_KV_BYTES_PER_TOKEN)  # fmt: skip
+                                kv_bytes_per_token=_KV_BYTES_PER_TOKEN,
+                                changes=changes)  # fmt: skip
 
 
 def _outcome(turn: Turn, decision: Decision) -> Outcome:

@@ -4,9 +4,10 @@ from turn to turn as the workers' views change.
 The live router and the simulator rebuild a worker's `WorkerView` when it is scraped or its
 in-flight count moves, and share the rest between views: a turn changes a few of them, seldom
 the whole fleet. The index compares each worker's view with the one it last saw (by identity,
-a pointer each) and re-ranks only those that changed, so what a turn costs past that compare
-does not grow with the fleet; a view that changes most workers at once (a scrape of them all,
-a fleet that joined or left) is ranked again from scratch. Every ranking is sorted by its key
+a pointer each; only at the positions the view's `WorkerChanges` names, where it names the
+workers indexed last) and re-ranks only those that changed, so what a turn costs does not grow
+with the fleet; a view that changes most workers at once (a scrape of them all, a fleet that
+joined or left) is ranked again from scratch. Every ranking is sorted by its key
 and then the worker id, so it depends only on the workers, never on their order in the view.
 
 A ranking's key is one integer, `value x span + the worker id's rank` among the view's ids
@@ -17,10 +18,11 @@ from __future__ import annotations
 
 import heapq
 from bisect import bisect_left, insort
+from collections.abc import Iterable
 from typing import TypeVar
 
 from policies.eligibility import DECODE_ROLES, PREFILL_ROLES
-from policies.types import WorkerView
+from policies.types import WorkerChanges, WorkerView
 
 UsageKey = tuple[float, int]  # (KV usage, the id's rank): emptiest first
 
@@ -131,8 +133,10 @@ class FleetIndex:
             first = sorted(usages) if len(usages) <= count else heapq.nsmallest(count, usages)
         return [ids[rank] for _, rank in first]
 
-    def sync(self, workers: tuple[WorkerView, ...]) -> None:
-        """Index `workers`, the latest view's, re-ranking the workers whose views changed."""
+    def sync(self, workers: tuple[WorkerView, ...], changes: WorkerChanges | None = None) -> None:
+        """Index `workers`, the latest view's, re-ranking the workers whose views changed:
+        where `changes` is given since the workers indexed last, only its positions are
+        compared, else every worker's."""
         if workers is self._workers:
             return
         views = self._views
@@ -141,7 +145,13 @@ class FleetIndex:
             return
         changed: list[int] = []
         most = int(len(views) * _REBUILD_SHARE)
-        for i in range(len(views)):
+        if changes is not None and changes.since is self._workers:
+            # the builder's word: every other position holds the object indexed (in the
+            # order a full compare finds them, so the index is edited alike)
+            positions: Iterable[int] = sorted(set(changes.positions))
+        else:
+            positions = range(len(views))
+        for i in positions:
             old = views[i]
             new = workers[i]
             if new is not old:

@@ -218,7 +218,7 @@ class AdaptivePolicy:
         # changed since the last turn (`FleetIndex`): the terms are computed only for the
         # workers the shortlists keep (`policies.adaptive.shortlists`).
         fleet = self._fleet
-        fleet.sync(view.workers)
+        fleet.sync(view.workers, view.changes)
         index = fleet.index
         roomy_keys = fleet.roomy  # decode-capable with KV usage below migrate_kv_usage
         full_keys = fleet.full  # decode-capable, the others

@@ -31,11 +31,11 @@ import socket
 import ssl
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import aiohttp
 
-from policies.types import WorkerView
+from policies.types import WorkerChanges, WorkerView
 from router.config import RouterConfig, WorkerSpec
 from router.fleet.pulls import PullMeter
 from router.fleet.telemetry import WorkerLoad
@@ -64,52 +64,171 @@ class EjectionConfig:
                    config.eject_max_percent)  # fmt: skip
 
 
-@dataclass(slots=True)
 class WorkerState:
-    spec: WorkerSpec
-    healthy: bool = True  # from the scraper (which also hears of refused connections)
-    load: WorkerLoad | None = None
-    draining: bool = False
-    inflight: int = 0  # this replica's own requests on the worker now
-    models: tuple[str, ...] = ()
-    # Of `inflight`, those that began answering since the last scrape (`scrape_epoch` counts
-    # the scrapes): `WorkerView.started_since_scrape`.
-    started_since_scrape: int = 0
-    scrape_epoch: int = 0
-    # outlier ejection: failed legs in a row; ejected until `ejected_until` (monotonic);
-    # `times_ejected` is the ejection time's multiplier, `ejections` all ejections so far
-    consecutive_failures: int = 0
-    ejected: bool = False
-    ejected_until: float = 0.0
-    times_ejected: int = 0
-    ejections: int = 0
-    returned_at: float = 0.0  # when it last came back from an ejection
-    leaving: bool = False  # it left the fleet and drains until `WorkerPool.reap` forgets it
-    left_at: float = 0.0
-    pulls: PullMeter = field(default_factory=PullMeter)  # its engine's KV pulls, measured
-    # Its latest view for the policy and what it was built from (`WorkerPool.views`): the
-    # same object while nothing in it changed, so the policy re-ranks only the workers whose
-    # views did (`policies.adaptive.fleet`).
-    view: WorkerView | None = None
-    view_of: tuple[object, ...] = ()
+    """One worker's state. What its view shows (`WorkerPool.views`: its spec, load, health,
+    in-flight counts, draining, ejection, leaving) is set through properties that mark it
+    changed in each `ModelPool` holding it, so a view is built again only where one did."""
+
+    __slots__ = (
+        "_draining",
+        "_ejected",
+        "_healthy",
+        "_inflight",
+        "_leaving",
+        "_load",
+        "_marks",
+        "_spec",
+        "_started_since_scrape",
+        "consecutive_failures",
+        "ejected_until",
+        "ejections",
+        "left_at",
+        "models",
+        "pulls",
+        "returned_at",
+        "scrape_epoch",
+        "times_ejected",
+        "view",
+        "view_of",
+    )
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        # (a pool's marks, its position there) per `ModelPool` holding it (`watch`)
+        self._marks: list[tuple[dict[int, None], int]] = []
+        self._spec = spec
+        self._healthy = True  # from the scraper (which also hears of refused connections)
+        self._load: WorkerLoad | None = None
+        self._draining = False
+        self._inflight = 0  # this replica's own requests on the worker now
+        self.models: tuple[str, ...] = ()
+        # Of `inflight`, those that began answering since the last scrape (`scrape_epoch`
+        # counts the scrapes): `WorkerView.started_since_scrape`.
+        self._started_since_scrape = 0
+        self.scrape_epoch = 0
+        # outlier ejection: failed legs in a row; ejected until `ejected_until` (monotonic);
+        # `times_ejected` is the ejection time's multiplier, `ejections` all ejections so far
+        self.consecutive_failures = 0
+        self._ejected = False
+        self.ejected_until = 0.0
+        self.times_ejected = 0
+        self.ejections = 0
+        self.returned_at = 0.0  # when it last came back from an ejection
+        self._leaving = False  # it left the fleet and drains until `WorkerPool.reap` forgets it
+        self.left_at = 0.0
+        self.pulls = PullMeter()  # its engine's KV pulls, measured
+        # Its latest view for the policy and what it was built from (`WorkerPool.views`): the
+        # same object while nothing in it changed, so the policy re-ranks only the workers
+        # whose views did (`policies.adaptive.fleet`).
+        self.view: WorkerView | None = None
+        self.view_of: tuple[object, ...] = ()
+
+    def watch(self, marks: dict[int, None], position: int) -> None:
+        """Mark `position` in `marks` (a `ModelPool`'s) whenever what the view shows changes."""
+        self._marks.append((marks, position))
+
+    def unwatch(self) -> None:
+        self._marks.clear()
+
+    def _changed(self) -> None:
+        for marks, position in self._marks:
+            marks[position] = None
+
+    @property
+    def spec(self) -> WorkerSpec:
+        return self._spec
+
+    @spec.setter
+    def spec(self, spec: WorkerSpec) -> None:
+        self._spec = spec
+        self._changed()
+
+    @property
+    def healthy(self) -> bool:
+        return self._healthy
+
+    @healthy.setter
+    def healthy(self, healthy: bool) -> None:
+        if healthy != self._healthy:
+            self._healthy = healthy
+            self._changed()
+
+    @property
+    def load(self) -> WorkerLoad | None:
+        return self._load
+
+    @load.setter
+    def load(self, load: WorkerLoad | None) -> None:
+        self._load = load
+        self._changed()
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @draining.setter
+    def draining(self, draining: bool) -> None:
+        if draining != self._draining:
+            self._draining = draining
+            self._changed()
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    @inflight.setter
+    def inflight(self, count: int) -> None:
+        self._inflight = count
+        self._changed()
+
+    @property
+    def started_since_scrape(self) -> int:
+        return self._started_since_scrape
+
+    @started_since_scrape.setter
+    def started_since_scrape(self, count: int) -> None:
+        if count != self._started_since_scrape:
+            self._started_since_scrape = count
+            self._changed()
+
+    @property
+    def ejected(self) -> bool:
+        return self._ejected
+
+    @ejected.setter
+    def ejected(self, ejected: bool) -> None:
+        if ejected != self._ejected:
+            self._ejected = ejected
+            self._changed()
+
+    @property
+    def leaving(self) -> bool:
+        return self._leaving
+
+    @leaving.setter
+    def leaving(self, leaving: bool) -> None:
+        if leaving != self._leaving:
+            self._leaving = leaving
+            self._changed()
 
     @property
     def available(self) -> bool:
         """Healthy by its scrapes and not ejected: offered to the policy as healthy."""
-        return self.healthy and not self.ejected
+        return self._healthy and not self._ejected
 
     @property
     def serving(self) -> bool:
         """Counted among the workers that can take turns: available and not leaving."""
-        return self.healthy and not self.ejected and not self.leaving
+        return self._healthy and not self._ejected and not self._leaving
 
 
 class ModelPool:
     """The workers serving one model (`model` None: every worker), and how many of them can
-    take turns now (`serving`). Rebuilt, never edited, when the fleet or its models change;
-    `serving` is recounted when a worker's health changes."""
+    take turns now (`serving`). Rebuilt, never edited, when the fleet or its models change
+    (the one it replaces is `retired`); `serving` is recounted when a worker's health
+    changes."""
 
-    __slots__ = ("ids", "members", "model", "serving", "views")
+    __slots__ = ("changes", "ids", "inflight_read", "marks", "members", "model", "retired",
+                 "serving", "views")  # fmt: skip
 
     def __init__(self, model: str | None, members: tuple[WorkerState, ...]) -> None:
         self.model = model
@@ -118,6 +237,14 @@ class ModelPool:
         self.serving = sum(1 for state in members if state.serving)
         # the members' views as the policy last saw them: shared while none changed
         self.views: tuple[WorkerView, ...] = ()
+        # where `views` differs from the tuple before it (`ClusterView.changes`)
+        self.changes: WorkerChanges | None = None
+        # the positions of the members whose views may have changed since `views`
+        self.marks: dict[int, None] = {}
+        for position, state in enumerate(members):
+            state.watch(self.marks, position)
+        self.inflight_read: object = None  # the fleet's in-flight counts `views` last read
+        self.retired = False
 
 
 def nic_bps(nic_gbps: float) -> float:
@@ -269,7 +396,7 @@ class WorkerPool:
         if not gone:
             return gone
         for worker_id in gone:
-            del self.workers[worker_id]
+            self.workers.pop(worker_id).unwatch()
             if self._ejected.pop(worker_id, None) is not None:
                 self._next_return = min(self._ejected.values(), default=_NEVER)
         self._rebuild()
@@ -290,8 +417,12 @@ class WorkerPool:
     def _rebuild(self) -> None:
         """The pools and the model names from the workers as they are now (on a change of
         membership or of a worker's models, never per turn)."""
+        self._everyone.retired = True
+        for pool in self._pools.values():
+            pool.retired = True
         members: dict[str, list[WorkerState]] = {}
         for state in self.workers.values():
+            state.unwatch()
             for name in state.models:
                 members.setdefault(name, []).append(state)
         self._everyone = ModelPool(None, tuple(self.workers.values()))
@@ -411,46 +542,83 @@ class WorkerPool:
         in-flight counts (an ejected worker reads as unhealthy, a leaving one as draining).
         A worker's view is built again only when what it shows changed (a scrape, its
         in-flight counts, its health), and the tuple is the last one while none did: its
-        scrape's time is `scraped_at_s`, on the clock of `now` (the telemetry's)."""
+        scrape's time is `scraped_at_s`, on the clock of `now` (the telemetry's).
+
+        Only the workers marked changed since the last call are read (`WorkerState`), and
+        every worker where `fleet_inflight` is another object than the last call's: edit
+        it in place only along with the worker's own count (as a leg does, on both), or
+        pass a new mapping. `changes(pool)` says which views changed."""
         if self._ejected:
             self._return_due()
         owner = self._everyone if pool is None else pool
-        members, shared = owner.members, owner.views
-        views: list[WorkerView] = []
-        changed = len(shared) != len(members)
-        for state in members:
-            spec = state.spec
-            worker_id = spec.worker_id
-            load = state.load
-            inflight = state.inflight
-            others = fleet_inflight.get(worker_id, 0)
-            inflight = inflight if inflight > others else others
-            healthy = state.healthy and not state.ejected
-            draining = state.draining or state.leaving
-            shown = (spec, load, healthy, inflight, state.started_since_scrape, draining)
-            view = state.view
-            if view is None or shown != state.view_of:
-                view = state.view = WorkerView(
-                    worker_id=worker_id,
-                    role=spec.role,
-                    healthy=healthy,
-                    running=load.running if load else 0,
-                    waiting=load.waiting if load else 0,
-                    kv_usage=load.kv_usage if load else 0.0,
-                    inflight=inflight,
-                    started_since_scrape=state.started_since_scrape,
-                    draining=draining,
-                    node=spec.node,
-                    scraped_age_s=max(0.0, now - load.scraped_at) if load else 0.0,
-                    scraped_at_s=load.scraped_at if load else None,
-                    priority_scheduling=spec.priority_scheduling,
-                    nic_bps=nic_bps(spec.nic_gbps),
-                )
-                state.view_of = shown
-                changed = True
-            views.append(view)
-        if not changed:
+        members, shared, marks = owner.members, owner.views, owner.marks
+        count = len(members)
+        if owner.retired or fleet_inflight is not owner.inflight_read or len(shared) != count:
+            owner.inflight_read = fleet_inflight
+            marks.clear()
+            views = [self._view_of(state, fleet_inflight, now) for state in members]
+            if len(shared) != count:
+                owner.changes = None
+            else:
+                changed = [at for at in range(count) if views[at] is not shared[at]]
+                if not changed:
+                    return shared
+                owner.changes = WorkerChanges(shared, tuple(changed))
+            built = tuple(views)
+            owner.views = built
+            return built
+        if not marks:
             return shared
-        built = tuple(views)
+        moved: list[int] = []
+        listed: list[WorkerView] | None = None
+        for at in sorted(marks):
+            view = self._view_of(members[at], fleet_inflight, now)
+            if view is not shared[at]:
+                if listed is None:
+                    listed = list(shared)
+                listed[at] = view
+                moved.append(at)
+        marks.clear()
+        if listed is None:
+            return shared
+        built = tuple(listed)
+        owner.changes = WorkerChanges(shared, tuple(moved))
         owner.views = built
         return built
+
+    def changes(self, pool: ModelPool | None = None) -> WorkerChanges | None:
+        """Where the pool's latest `views` differ from the tuple before them (None: unknown)."""
+        return (self._everyone if pool is None else pool).changes
+
+    @staticmethod
+    def _view_of(state: WorkerState, fleet_inflight: Mapping[str, int], now: float) -> WorkerView:
+        """The worker's view: the last one while what it shows is the same."""
+        spec = state.spec
+        worker_id = spec.worker_id
+        load = state.load
+        inflight = state.inflight
+        others = fleet_inflight.get(worker_id, 0)
+        inflight = inflight if inflight > others else others
+        healthy = state.healthy and not state.ejected
+        draining = state.draining or state.leaving
+        shown = (spec, load, healthy, inflight, state.started_since_scrape, draining)
+        view = state.view
+        if view is None or shown != state.view_of:
+            view = state.view = WorkerView(
+                worker_id=worker_id,
+                role=spec.role,
+                healthy=healthy,
+                running=load.running if load else 0,
+                waiting=load.waiting if load else 0,
+                kv_usage=load.kv_usage if load else 0.0,
+                inflight=inflight,
+                started_since_scrape=state.started_since_scrape,
+                draining=draining,
+                node=spec.node,
+                scraped_age_s=max(0.0, now - load.scraped_at) if load else 0.0,
+                scraped_at_s=load.scraped_at if load else None,
+                priority_scheduling=spec.priority_scheduling,
+                nic_bps=nic_bps(spec.nic_gbps),
+            )
+            state.view_of = shown
+        return view

@@ -204,7 +204,10 @@ class FleetView:
         total = dict(counts)
         for worker_id, count in self.own_inflight.items():
             total[worker_id] = total.get(worker_id, 0) + count
-        self._inflight = total
+        if total != self._inflight:
+            # A new mapping: the workers' views read it whole (`WorkerPool.views`); the same
+            # counts keep the one they read.
+            self._inflight = total
 
     def inflight(self) -> dict[str, int]:
         """In-flight counts per worker, the other replicas' plus this one's: kept current,

@@ -227,12 +227,14 @@ class TurnPipeline:
         now = time.time()
         links = self._state.policy_links()
         residency: Residency | None = record.to_residency() if record is not None else None
+        workers = self._pool.views(self._state.fleet_inflight(), now, pool)
         return ClusterView(
             now_s=now,
-            workers=self._pool.views(self._state.fleet_inflight(), now, pool),
+            workers=workers,
             links=links,
             residency=residency,
             kv_bytes_per_token=self._config.kv_bytes_per_token,
+            changes=self._pool.changes(pool),
         )
 
     def _decide(self, ctx: TurnContext) -> tuple[Decision, Plan]:

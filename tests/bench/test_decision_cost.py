@@ -105,6 +105,8 @@ def test_every_builtin_policy_places_the_timed_turns_in_the_fleet(name: str, lay
 
 
 def test_with_a_scrape_interval_each_worker_is_drawn_once_an_interval_and_shared_between() -> None:
+    """Each view names the workers built again since the view before (`changes`): those
+    scraped since, and the turn's two in-flight moves."""
     roles = fleet_roles(16, "mixed")
     interval = 0.25
     timed = list(turns(roles, 400, seed=5, scrape_interval_s=interval))
@@ -112,6 +114,11 @@ def test_with_a_scrape_interval_each_worker_is_drawn_once_an_interval_and_shared
     scraped: dict[str, list[float]] = {}
     for (_, before), (_, after) in itertools.pairwise(timed):
         changed = [(a, b) for a, b in zip(before.workers, after.workers, strict=True) if a is not b]
+        # the view names every worker built again since the view before (and no other)
+        assert after.changes is not None and after.changes.since is before.workers
+        pairs = zip(before.workers, after.workers, strict=True)
+        rebuilt = {i for i, (a, b) in enumerate(pairs) if a is not b}
+        assert rebuilt == set(after.changes.positions)
         # the turn's two in-flight moves, and the workers scraped since the turn before
         moved = [b for a, b in changed if b.scraped_at_s == a.scraped_at_s]
         assert len(moved) <= 2

@@ -21,6 +21,7 @@ from policies.types import (
     Residency,
     Role,
     Turn,
+    WorkerChanges,
     WorkerView,
     action_of,
 )
@@ -76,8 +77,8 @@ def _held(fleet: FleetIndex) -> dict[str, object]:
 
 
 def _views(rng: random.Random, steps: int) -> Iterator[tuple[WorkerView, ...]]:
-    """Views of a fleet whose workers change a few at a time (a scrape, an in-flight count),
-    now and then all at once, join, leave, or come twice."""
+    """Views of a fleet whose workers change a few at a time (a scrape, an in-flight count
+    alone), now and then all at once, join, leave, or come twice."""
     count = rng.choice((1, 2, 8, 40))
     workers = [_worker(rng, f"w{i}", rng.choice(_ROLES)) for i in range(count)]
     for _ in range(steps):
@@ -93,6 +94,10 @@ def _views(rng: random.Random, steps: int) -> Iterator[tuple[WorkerView, ...]]:
                 pass
             case 4:  # one is listed twice
                 workers.append(rng.choice(workers))
+            case 5 | 6:  # a leg sent or ended: one worker's in-flight count, nothing else
+                i = rng.randrange(len(workers))
+                moved = max(0, workers[i].inflight + rng.choice((-1, 1)))
+                workers[i] = msgspec.structs.replace(workers[i], inflight=moved)
             case _:
                 for _ in range(rng.randint(1, 3)):
                     i = rng.randrange(len(workers))
@@ -111,11 +116,33 @@ def test_the_index_kept_ranks_as_a_fresh_one(seed: int) -> None:
         assert _held(kept) == _held(fresh) == _expected(workers)
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_the_index_told_the_changes_ranks_as_a_fresh_one(seed: int) -> None:
+    """Told where a view changed since the one it indexed (`WorkerChanges`: every changed
+    position, some unchanged ones too), it compares only those; told so of a view it did
+    not index, it compares every worker."""
+    rng = random.Random(seed)
+    told = FleetIndex(_KV_LIMIT, _MAX_SEQS)
+    before: tuple[WorkerView, ...] = ()
+    for workers in _views(rng, 300):
+        changes = None
+        if len(before) == len(workers):
+            moved = [i for i in range(len(workers)) if workers[i] is not before[i]]
+            named = moved + rng.sample(range(len(workers)), min(2, len(workers)))
+            since = before if rng.random() < 0.9 else tuple(list(before))  # not the one indexed
+            changes = WorkerChanges(since=since, positions=tuple(named))
+        told.sync(workers, changes)
+        fresh = FleetIndex(_KV_LIMIT, _MAX_SEQS)
+        fresh.sync(workers)
+        assert _held(told) == _held(fresh) == _expected(workers)
+        before = workers
+
+
 def _fleet_turns(
     count: int, layout: str, turns: int, seed: int
 ) -> Iterator[tuple[Turn, ClusterView]]:
     """Turns on a fleet whose views change as the router's do: each turn a few workers are
-    scraped again, the rest are the same objects."""
+    scraped again, the rest are the same objects (the view names them: `changes`)."""
     rng = random.Random(seed)
     roles: list[Role] = (
         ["mixed"] * count if layout == "mixed" else ["prefill", "decode"] * (count // 2)
@@ -123,11 +150,17 @@ def _fleet_turns(
     decoders = [f"w{i}" for i, role in enumerate(roles) if role != "prefill"]
     workers = [_worker(rng, f"w{i}", role) for i, role in enumerate(roles)]
     now = 1000.0
+    shared = tuple(workers)
     for n in range(turns):
         now += rng.expovariate(100.0)
+        changed: list[int] = []
         for _ in range(rng.randint(0, 3)):
             i = rng.randrange(count)
             workers[i] = _worker(rng, workers[i].worker_id, workers[i].role)
+            changed.append(i)
+        changes = WorkerChanges(since=shared, positions=tuple(changed))
+        if changed:
+            shared = tuple(workers)
         prompt = rng.choice((512, 2048, 8192))
         residency, uncached = None, prompt
         if rng.random() < 0.7:
@@ -140,7 +173,7 @@ def _fleet_turns(
             uncached_tokens=uncached, max_tokens=rng.choice((64, 256)),
             objectives=Objectives(ttft_ms=1000.0 + 0.2 * prompt, itl_ms=100.0), arrival_s=now,
         )  # fmt: skip
-        yield turn, ClusterView(now_s=now, workers=tuple(workers), residency=residency)
+        yield turn, ClusterView(now_s=now, workers=shared, residency=residency, changes=changes)
 
 
 def _outcome(turn: Turn, decision: Decision) -> Outcome:
@@ -166,7 +199,7 @@ def test_views_sharing_their_workers_are_decided_as_views_built_whole(
     pending: list[tuple[Turn, Decision]] = []
     for turn, view in _fleet_turns(count, layout, 300, seed=count):
         copied = msgspec.structs.replace(
-            view, workers=tuple(msgspec.structs.replace(w) for w in view.workers)
+            view, workers=tuple(msgspec.structs.replace(w) for w in view.workers), changes=None
         )
         decision = kept.decide(turn, view)
         assert decision == whole.decide(turn, copied)

@@ -86,7 +86,7 @@ def test_a_view_is_shared_until_what_it_shows_changes() -> None:
     second = pool.views(inflight, now=8.5)
     assert changed(second, first) == ["w1"]
     assert (second[1].running, second[1].waiting, second[1].scraped_at_s) == (4, 2, 8.0)
-    inflight["w2"] = 3  # another replica's requests
+    inflight = {"w2": 3}  # another replica's requests: a new snapshot of the fleet's counts
     third = pool.views(inflight, now=9.0)
     assert changed(third, second) == ["w2"] and third[2].inflight == 3
     pool.on_scrape("w0", None, False)  # unhealthy: no load read

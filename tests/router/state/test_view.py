@@ -134,3 +134,15 @@ def test_the_fleet_inflight_kept_is_the_others_plus_this_replicas(seed: int) -> 
         for worker, count in fleet.own_inflight.items():
             expected[worker] = expected.get(worker, 0) + count
         assert fleet.inflight() == expected
+
+
+def test_a_snapshot_of_the_same_counts_keeps_the_mapping_the_views_read() -> None:
+    """`WorkerPool.views` reads every worker again only when the mapping is another object."""
+    fleet = FleetView()
+    fleet.add_inflight("w1", 2)
+    fleet.set_others_inflight({"w2": 1})
+    read = fleet.inflight()
+    fleet.set_others_inflight({"w2": 1})
+    assert fleet.inflight() is read
+    fleet.set_others_inflight({"w2": 2})
+    assert fleet.inflight() is not read and fleet.inflight() == {"w1": 2, "w2": 2}
