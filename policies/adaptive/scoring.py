@@ -52,7 +52,8 @@ gaps of a g-token answer that may exceed the ITL objective while the p99 of its 
 - exposure: the turn decodes on d for G - 1 gaps of a step at R' + 1 streams (R' = R and the
   decode legs on their way there, `LegLedger`), while d runs slow steps at the rate its
   recent placements set (`StallLedger`), and adds the KV it lacks there, after the KV those
-  legs bring (`kv_crowding`: misses as the cache nears full):
+  legs bring at their peak past what d's streams free before they come (`kv_crowding`:
+  misses as the cache nears full):
       exposure = rate(d) x ((G - 1) x step + wait) / B(G) + crowding(d),
   wait = a whole turn's TTFT on d (its queue and its prefill there; 0 for a handoff's decode
   leg): the prefills placed on d while it waits queue behind it and run as it decodes;
@@ -99,7 +100,10 @@ misses = harm + exposure + eviction + TTFT risk; cost = misses + `TTFT_WEIGHT` x
 + 1 streams on d over the ITL objective): where nothing is at risk, the faster and cheaper
 placement wins (GPU time spent is time the turns queued behind it wait), and the decode worker
 the answer fills best (answers packed on a few workers keep the others free for prefills;
-`TurnTerms.pace`). Against
+`TurnTerms.pace`). Where the typical prefill is a slow step, a new session's headroom weighs
+`PACKING_MISSES` misses (pace x `PACKING_MISSES` / `TTFT_WEIGHT`; 1, none credited, past a
+step of `PACK_UP_TO` x the ITL objective): a stream keeps the slow prefills off its worker for
+its life, which a first step a few ms shorter does not pay for. Against
 the colocated reference r, a candidate c wins exactly when I > H + dQ + dC, with I = (harm +
 exposure + eviction)(r) - (the same)(c), the misses its separation avoids, and H + dQ + dC =
 (cost - harm - exposure - eviction)(c) - (the same)(r), what its transfer, queue, compute and

@@ -61,6 +61,7 @@ class TurnTerms:
         "_kv_bytes",
         "_legs",
         "_legs_due",
+        "_legs_kvs",
         "_links",
         "_max_seqs",
         "_now_s",
@@ -137,6 +138,7 @@ class TurnTerms:
         self._max_seqs = max_seqs
         self._legs = legs
         self._legs_due: dict[str, tuple[int, int]] = {}
+        self._legs_kvs: dict[str, float] = {}
         self._now_s = view.now_s
         self._request_id = turn.request_id
         self._own_gaps = turn.max_tokens - 1 if turn.max_tokens > 1 else 0
@@ -261,11 +263,23 @@ class TurnTerms:
         whose step still meets the objective wins a tie (best fit). Answers packed onto a few
         workers leave the others' steps free of streams, so the slow prefills placed there
         stall no one: prefill and decode workers form from the load, and re-form as its mix
-        shifts. Spreading answers to the calmest worker left a stream beside every prefill."""
+        shifts. Spreading answers to the calmest worker left a stream beside every prefill.
+        Where prefills are slow steps, for a new session, scaled to weigh `PACKING_MISSES`
+        in the cost (below)."""
         if self._own_gaps == 0 or not self._itl_ms > 0.0:
             return 0.0
-        headroom = 1.0 - self._answer_step(worker) / self._itl_ms
-        return headroom if headroom > 0.0 else 0.0
+        share = self._answer_step(worker) / self._itl_ms
+        if self._resident is not None or not self._estimates.typical_prefill_ms > self._itl_ms:
+            return 1.0 - share if share < 1.0 else 0.0
+        # Where prefills are slow steps, a stream keeps them off its worker for its life
+        # (each would stall it): a new session's answer on a worker free of streams takes a
+        # prefill worker away, which TTFT alone, its scale, would trade for a first step a
+        # few ms shorter. The headroom then weighs `PACKING_MISSES` a whole share, and none
+        # is left past `PACK_UP_TO` of the objective: there a fuller worker risks every
+        # stream's gaps. A returning session's answer stays where its context is cached: a
+        # move to pack it spends cache and transfers the terms do not all price.
+        headroom = 1.0 if share > tuning.PACK_UP_TO else 1.0 - share
+        return headroom * tuning.PACKING_MISSES / tuning.TTFT_WEIGHT
 
     def exposure(self, worker: WorkerView, hosting: bool = False, waiting_ms: float = 0.0) -> float:
         """Expected misses of this turn's answer decoded on `worker`: from its slow steps,
@@ -348,11 +362,36 @@ class TurnTerms:
 
     def _streams_of(self, worker_id: str) -> float:
         """The KV this turn (the context not cached there, the answer) and the decode legs
-        placed on the worker but not sent yet add there, in mean-sized streams."""
+        placed on the worker but not sent yet add there (`_legs_kv`), in mean-sized
+        streams."""
         mean = self._estimates.mean_context_tokens
-        added = self._prompt - self._cached_at(worker_id) + self._own_gaps + 1
-        added += self._coming(worker_id)[1]
+        added: float = self._prompt - self._cached_at(worker_id) + self._own_gaps + 1
+        added += self._legs_kv(worker_id)
         return added / mean if mean > 1.0 else 1.0
+
+    def _legs_kv(self, worker_id: str) -> float:
+        """The KV the decode legs placed on the worker and not sent yet add there at their
+        peak (`LegLedger.surplus`): each comes when its prefill ends, seconds away behind a
+        long prefill queue, by when the streams there now have freed part of theirs (they
+        end at running / (mean answer x step) a second, as in `slot_wait_ms`). Counted all
+        at once, a burst of long prompts placed to one worker would fill its cache on paper
+        alone, and spread their answers over workers that then host no slow prefills."""
+        kv = self._legs_kvs.get(worker_id)
+        if kv is None:
+            coming = self._coming(worker_id)
+            kv = float(coming[1])
+            worker = self._index.get(worker_id)
+            streams = self.streams(worker) if worker is not None else 0
+            if coming[0] > 0 and streams > 0 and self._legs is not None:
+                estimates = self._estimates
+                mean = estimates.mean_context_tokens
+                step = estimates.decode_step_ms(streams, mean, worker_id)
+                life_s = estimates.mean_completion_tokens * step / 1000.0
+                held = streams * mean
+                freed = held / life_s if life_s > 0.0 else 0.0
+                kv = self._legs.surplus(worker_id, self._now_s, self._request_id, freed, held)
+            self._legs_kvs[worker_id] = kv
+        return kv
 
     def _coming(self, worker_id: str) -> tuple[int, int]:
         """(legs, tokens) of the split turns' decode legs placed on the worker and not sent

@@ -16,6 +16,17 @@ TTFT_WEIGHT = 0.05
 WORK_WEIGHT = 16.0
 # Misses a move off the resident worker must save: it moves load and cache the model omits.
 SEPARATION_MARGIN = 0.05
+# Where prefills are slow steps (the typical one past the ITL objective), the headroom a new
+# session's answer leaves under that objective weighs this many misses (`TurnTerms.pace`):
+# each stream keeps slow prefills off its worker for its life, so answers spread over workers
+# free of streams leave fewer workers to prefill on. At TTFT_WEIGHT it lost to a first
+# step a few ms shorter on the emptier worker, and a prefill-bound fleet (Mooncake) kept
+# two decode workers where one served all its answers. (Returning sessions' answers keep the
+# old weight: packing them too cost mixed-multi-turn 8% of its max goodput.)
+PACKING_MISSES = 1.0
+# ... and no headroom is credited where the answer's step passes this share of the ITL
+# objective: a step near it risks every stream's gaps there (noise, longer contexts).
+PACK_UP_TO = 0.5
 # The least share of a link's rate a transfer gets, however full its ledger: H stays finite.
 LINK_FLOOR_FRACTION = 0.01
 # The busiest share of time prefills are taken to fill on a worker: step / (1 - u) stays finite.

@@ -147,6 +147,27 @@ class LegLedger:
                 tokens += size
         return count, tokens
 
+    def surplus(
+        self, worker: str, now_s: float, exclude: str = "", freed_per_s: float = 0.0,
+        held: float = 0.0,
+    ) -> float:  # fmt: skip
+        """The most KV (tokens) the legs due on `worker` after `now_s` add there at once past
+        what its streams free meanwhile: at each leg's due time, the tokens of the legs due
+        by then less min(`held`, `freed_per_s` x the time since `now_s`), at least 0 (with
+        `freed_per_s` 0: all their tokens). `coming` (called first) drops the legs sent."""
+        legs = self._by_worker.get(worker)
+        if not legs:
+            return 0.0
+        due = sorted((sent_s, size) for request_id, (sent_s, size) in legs.items()
+                     if sent_s > now_s and request_id != exclude)  # fmt: skip
+        peak = total = 0.0
+        for sent_s, size in due:
+            total += size
+            freed = freed_per_s * (sent_s - now_s)
+            net = total - (freed if freed < held else held)
+            peak = net if net > peak else peak
+        return peak
+
 
 class StallLedger:
     """The prefill steps longer than the ITL objective this policy has placed, per worker,

@@ -137,6 +137,38 @@ def test_answers_pack_onto_the_fullest_worker_whose_step_meets_the_objective() -
     assert decision.worker == "m1"
 
 
+def test_where_prefills_are_slow_an_answer_packs_beside_streams_not_on_a_free_worker() -> None:
+    # A workload of long prompts: the typical prefill is a step past the ITL objective.
+    policy = adaptive()
+    for i in range(200):
+        policy.observe(Outcome(
+            request_id=f"o{i}", session_id=f"s-o{i}", action="handoff", prefill_worker="p1",
+            decode_worker="d1", prompt_tokens=16000, cached_tokens=0, completion_tokens=64,
+            ok=True, decode_ms=640.0,
+        ))  # fmt: skip
+    assert policy.estimates.typical_prefill_ms > 100.0
+    # Queued behind p1's prefills, the turn's TTFT risks its objective. d2 has no stream:
+    # the first step there would be shorter, but an answer there keeps the slow prefills
+    # off it for its life. Beside d1's streams (a step of 30 ms at their 16k-token
+    # contexts) it costs less.
+    busy = w("p1", "prefill", waiting=4, running=1, inflight=5)
+    cluster = view(busy, w("d1", "decode", running=20), w("d2", "decode"))
+    scorer = Scorer(turn(16000), cluster, policy.estimates, links={}, horizon_s=1.0,
+                    default_bps=12.5e9)  # fmt: skip
+    prefill, beside, free = cluster.workers
+    packed, spread = scorer.handoff(prefill, beside), scorer.handoff(prefill, free)
+    assert packed.ttft_ms > spread.ttft_ms
+    assert packed.risk > 0.0
+    assert packed.cost < spread.cost
+    # Past half the ITL objective a fuller worker is credited no headroom: there an answer
+    # goes to the emptier one.
+    crowded = view(busy, w("d1", "decode", running=60), w("d2", "decode"))
+    scorer = Scorer(turn(16000), crowded, policy.estimates, links={}, horizon_s=1.0,
+                    default_bps=12.5e9)  # fmt: skip
+    prefill, full, free = crowded.workers
+    assert scorer.handoff(prefill, free).cost < scorer.handoff(prefill, full).cost
+
+
 def test_gpu_time_is_priced_a_short_queue_does_not_buy_a_recompute() -> None:
     # Recomputing 8200 tokens on the idle d2 would start sooner than the 200 new tokens behind
     # d1's queue of 5, but takes 25 times the GPU time.

@@ -76,13 +76,33 @@ def test_legs_on_their_way_fill_the_decode_worker_they_go_to() -> None:
     source, target = w("p1", "prefill"), w("d1", "decode", running=20, inflight=20, kv_usage=0.6)
     alone = scorer(t, (source, target)).handoff(source, target)
     legs = LegLedger()
-    for i in range(8):  # placed within the scrape, their prefills still running
-        legs.place(f"old{i}", "d1", 12.0, 4096)
+    for i in range(8):  # placed within the scrape, their prefills about to end
+        legs.place(f"old{i}", "d1", 10.2, 4096)
     crowded = scorer(t, (source, target), legs).handoff(source, target)
     assert scorer(t, (source, target), legs).decode_streams(target) == 28
     assert crowded.exposure > alone.exposure  # KV nearly full once they are in
     assert crowded.queue_ms > alone.queue_ms  # and the turn waits for room there
     assert crowded.ttft_ms > alone.ttft_ms
+    # The same legs due once the 20 streams there now have ended (a mean answer's life
+    # later) come into the room those leave: they crowd nothing.
+    later = LegLedger()
+    for i in range(8):
+        later.place(f"old{i}", "d1", 15.0, 4096)
+    assert scorer(t, (source, target), later).handoff(source, target).exposure == alone.exposure
+
+
+def test_legs_add_at_their_peak_what_the_streams_have_not_freed_by_their_due_time() -> None:
+    ledger = LegLedger()
+    ledger.place("r1", "d1", 11.0, 1000)
+    ledger.place("r2", "d1", 12.0, 3000)
+    ledger.place("r3", "d1", 14.0, 2000)
+    assert ledger.surplus("d1", 10.0) == 6000  # nothing freed: all of them
+    # 1000 tokens freed a second: by 12.0, 4000 due less 2000 freed; by 14.0, 6000 less 4000.
+    assert ledger.surplus("d1", 10.0, freed_per_s=1000.0, held=5000.0) == 2000
+    assert ledger.surplus("d1", 10.0, "r2", freed_per_s=1000.0, held=5000.0) == 0
+    # No more is freed than the streams there hold.
+    assert ledger.surplus("d1", 10.0, freed_per_s=1000.0, held=1500.0) == 4500
+    assert ledger.surplus("d9", 10.0) == 0
 
 
 def test_a_burst_of_handoffs_within_one_scrape_spreads_over_the_decode_workers() -> None:
