@@ -365,7 +365,7 @@ class TurnTerms:
         placed on the worker but not sent yet add there (`_legs_kv`), in mean-sized
         streams."""
         mean = self._estimates.mean_context_tokens
-        added: float = self._prompt - self._cached_at(worker_id) + self._own_gaps + 1
+        added = float(self._prompt - self._cached_at(worker_id) + self._own_gaps + 1)
         added += self._legs_kv(worker_id)
         return added / mean if mean > 1.0 else 1.0
 
