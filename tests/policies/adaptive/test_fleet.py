@@ -176,7 +176,8 @@ def _fleet_turns(
         yield turn, ClusterView(now_s=now, workers=shared, residency=residency, changes=changes)
 
 
-def _outcome(turn: Turn, decision: Decision) -> Outcome:
+def outcome_of(turn: Turn, decision: Decision) -> Outcome:
+    """What a turn decided so reports when done: a made-up but deterministic outcome."""
     action = action_of(decision)
     worker = getattr(decision, "worker", None)
     ok = action != "reject"
@@ -205,6 +206,6 @@ def test_views_sharing_their_workers_are_decided_as_views_built_whole(
         assert decision == whole.decide(turn, copied)
         pending.append((turn, decision))
         if len(pending) > 16:
-            outcome = _outcome(*pending.pop(0))
+            outcome = outcome_of(*pending.pop(0))
             kept.observe(outcome)
             whole.observe(outcome)

@@ -16,15 +16,14 @@ from policies.types import (
     ClusterView,
     Decision,
     Objectives,
-    Outcome,
     Residency,
     Turn,
     WorkerView,
-    action_of,
 )
 from router.config import WorkerSpec
 from router.fleet.telemetry import WorkerLoad
 from router.fleet.workers import EjectionConfig, ModelPool, WorkerPool, WorkerState, nic_bps
+from tests.policies.adaptive.test_fleet import outcome_of
 
 _ROLES = ("mixed", "mixed", "prefill", "decode")
 
@@ -175,21 +174,6 @@ def _turn(
     return turn, residency
 
 
-def _outcome(turn: Turn, decision: Decision) -> Outcome:
-    action = action_of(decision)
-    worker = getattr(decision, "worker", None)
-    ok = action != "reject"
-    return Outcome(
-        request_id=turn.request_id, session_id=turn.session_id, action=action,
-        prefill_worker=getattr(decision, "prefill_worker", worker),
-        decode_worker=getattr(decision, "decode_worker", worker),
-        prompt_tokens=turn.prompt_tokens, cached_tokens=turn.prompt_tokens - turn.uncached_tokens,
-        completion_tokens=turn.max_tokens if ok else 0, ok=ok,
-        ttft_ms=200.0 + 0.05 * turn.uncached_tokens if ok else None,
-        decode_ms=15.0 * turn.max_tokens if ok else None,
-    )  # fmt: skip
-
-
 @pytest.mark.parametrize("seed", range(3))
 def test_the_policy_told_the_changes_decides_as_one_reading_every_worker(seed: int) -> None:
     rng = random.Random(seed)
@@ -220,6 +204,6 @@ def test_the_policy_told_the_changes_decides_as_one_reading_every_worker(seed: i
         assert decision == whole.decide(turn, copied)
         pending.append((turn, decision))
         if len(pending) > 16:
-            outcome = _outcome(*pending.pop(0))
+            outcome = outcome_of(*pending.pop(0))
             told.observe(outcome)
             whole.observe(outcome)
