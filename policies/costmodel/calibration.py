@@ -5,7 +5,7 @@ The correction (`Correction`) is a linear model of a stage's ms in five numbers,
 (base, fo, fl, fa, fm), over the stage's terms x = (1 for a prefill stage's base, the step
 overhead, and the linear, attention or memory terms of the roof that binds each part):
 observed = theta . x. Each observation is a step of recursive least squares with forgetting
-(about `memory` samples), on the error relative to sqrt(observed x predicted), so a stage
+(about `memory_s` samples), on the error relative to sqrt(observed x predicted), so a stage
 4x faster than predicted weighs what one 4x slower does, and seconds-long outliers weigh what
 their ratio says, not their ms. The covariance starts at the prior's spread (`FACTOR_SPREAD`,
 the base's own spread) and no variance may grow past it: a direction no sample excites (a
