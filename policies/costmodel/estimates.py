@@ -106,13 +106,15 @@ class Estimates:
         self.prior = prior
         self.chunk_tokens = chunk_tokens
         self.rate = rate
-        # One pair of roof factors per GPU, shared by prefill and decode: the roofs are the
-        # hardware's, and each stage teaches the roof it binds (decode steps the bandwidth,
-        # long prefills the FLOP/s). Separate pairs let a short, memory-bound prefill
-        # predicted as compute-bound (its memory factor never taught) inflate the compute one.
-        self._prefill = Correction(
-            base_spread_ms=prior_prefill_ms(prior, chunk_tokens, TYPICAL_PROMPT_TOKENS)
+        # One fit per GPU, shared by prefill and decode: the roofs are the hardware's, and
+        # each stage teaches the roof it binds (decode steps the bandwidth, long prefills the
+        # FLOP/s). Separate fits let a short, memory-bound prefill predicted as compute-bound
+        # (its memory factor never taught) inflate the compute one. The base's prior spread
+        # is the uncorrected prefill of a typical prompt, which the typical prefill starts at.
+        typical_ms = Correction().predict(
+            prior.prefill_terms(TYPICAL_PROMPT_TOKENS, 0, chunk_tokens)
         )
+        self._prefill = Correction(base_spread_ms=typical_ms)
         self._decode = self._prefill
         self._prefill_by_worker: dict[str, Correction] = {}
         self._decode_by_worker = self._prefill_by_worker
@@ -121,7 +123,7 @@ class Estimates:
         self._context = Average(float(TYPICAL_PROMPT_TOKENS), rate * CONTEXT_RATE_FRACTION)
         self._completion = Average(float(TYPICAL_COMPLETION_TOKENS), rate * CONTEXT_RATE_FRACTION)
         self._shared = Average(0.0, rate)
-        self._typical_prefill = Average(self.prefill_ms(TYPICAL_PROMPT_TOKENS), rate)
+        self._typical_prefill = Average(typical_ms, rate)
         self._queue = QueueModel(self._typical_prefill.value, rate)
 
     @classmethod
@@ -326,7 +328,7 @@ class Estimates:
             self._learn(self._prefill, self._prefill_by_worker, worker, terms, own, True)
         depth_ahead = _ahead(leg, outcome)
         if depth_ahead > 0:
-            excess = queued + stage - predicted - correction.base
+            excess = queued + stage - predicted - self._prefill.base
             self._queue.observe(excess, depth_ahead, self._typical_prefill.value)
 
     def _observe_size(self, outcome: Outcome, leg: PrefillLeg) -> None:
@@ -373,11 +375,6 @@ class Estimates:
             if own is not None:
                 own.update(terms, observed, with_base, memory)
         fleet.update(terms, observed, with_base, memory)
-
-
-def prior_prefill_ms(prior: RooflinePrior, chunk_tokens: int | None, tokens: int) -> float:
-    """The uncorrected prefill of `tokens` fresh tokens."""
-    return Correction().predict(prior.prefill_terms(tokens, 0, chunk_tokens))
 
 
 WHOLE_ACTIONS = ("colocate", "recompute")
