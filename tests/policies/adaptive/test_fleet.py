@@ -161,19 +161,27 @@ def _fleet_turns(
         changes = WorkerChanges(since=shared, positions=tuple(changed))
         if changed:
             shared = tuple(workers)
-        prompt = rng.choice((512, 2048, 8192))
-        residency, uncached = None, prompt
-        if rng.random() < 0.7:
-            resident = rng.randrange(prompt // 2, prompt)
-            uncached = prompt - resident
-            residency = Residency(worker_id=rng.choice(decoders), tokens=resident,
-                                  bytes=resident * 131072, epoch=1)  # fmt: skip
-        turn = Turn(
-            session_id=f"s{rng.randrange(turns)}", request_id=f"r{n}", prompt_tokens=prompt,
-            uncached_tokens=uncached, max_tokens=rng.choice((64, 256)),
-            objectives=Objectives(ttft_ms=1000.0 + 0.2 * prompt, itl_ms=100.0), arrival_s=now,
-        )  # fmt: skip
+        turn, residency = turn_of(rng, n, now, decoders, turns)
         yield turn, ClusterView(now_s=now, workers=shared, residency=residency, changes=changes)
+
+
+def turn_of(
+    rng: random.Random, n: int, now: float, decoders: list[str], sessions: int
+) -> tuple[Turn, Residency | None]:
+    """A seeded turn of one of `sessions` sessions, most resident on one of `decoders`."""
+    prompt = rng.choice((512, 2048, 8192))
+    residency, uncached = None, prompt
+    if rng.random() < 0.7:
+        resident = rng.randrange(prompt // 2, prompt)
+        uncached = prompt - resident
+        residency = Residency(worker_id=rng.choice(decoders), tokens=resident,
+                              bytes=resident * 131072, epoch=1)  # fmt: skip
+    turn = Turn(
+        session_id=f"s{rng.randrange(sessions)}", request_id=f"r{n}", prompt_tokens=prompt,
+        uncached_tokens=uncached, max_tokens=rng.choice((64, 256)),
+        objectives=Objectives(ttft_ms=1000.0 + 0.2 * prompt, itl_ms=100.0), arrival_s=now,
+    )  # fmt: skip
+    return turn, residency
 
 
 def outcome_of(turn: Turn, decision: Decision) -> Outcome:

@@ -15,15 +15,13 @@ from policies.adaptive.policy import AdaptivePolicy
 from policies.types import (
     ClusterView,
     Decision,
-    Objectives,
-    Residency,
     Turn,
     WorkerView,
 )
 from router.config import WorkerSpec
 from router.fleet.telemetry import WorkerLoad
 from router.fleet.workers import EjectionConfig, ModelPool, WorkerPool, WorkerState, nic_bps
-from tests.policies.adaptive.test_fleet import outcome_of
+from tests.policies.adaptive.test_fleet import outcome_of, turn_of
 
 _ROLES = ("mixed", "mixed", "prefill", "decode")
 
@@ -156,24 +154,6 @@ def test_views_read_by_their_marks_are_the_views_read_whole(seed: int) -> None:
         last[owner] = views
 
 
-def _turn(
-    rng: random.Random, n: int, now: float, decoders: list[str]
-) -> tuple[Turn, Residency | None]:
-    prompt = rng.choice((512, 2048, 8192))
-    residency, uncached = None, prompt
-    if rng.random() < 0.7:
-        resident = rng.randrange(prompt // 2, prompt)
-        uncached = prompt - resident
-        residency = Residency(worker_id=rng.choice(decoders), tokens=resident,
-                              bytes=resident * 131072, epoch=1)  # fmt: skip
-    turn = Turn(
-        session_id=f"s{rng.randrange(200)}", request_id=f"r{n}", prompt_tokens=prompt,
-        uncached_tokens=uncached, max_tokens=rng.choice((64, 256)),
-        objectives=Objectives(ttft_ms=1000.0 + 0.2 * prompt, itl_ms=100.0), arrival_s=now,
-    )  # fmt: skip
-    return turn, residency
-
-
 @pytest.mark.parametrize("seed", range(3))
 def test_the_policy_told_the_changes_decides_as_one_reading_every_worker(seed: int) -> None:
     rng = random.Random(seed)
@@ -194,7 +174,7 @@ def test_the_policy_told_the_changes_decides_as_one_reading_every_worker(seed: i
         assert owner is not None
         workers = pool.views(fleet, now, owner)
         decoders = [w.worker_id for w in workers if w.role != "prefill"] or ["w0"]
-        turn, residency = _turn(rng, n, now, decoders)
+        turn, residency = turn_of(rng, n, now, decoders, 200)
         view = ClusterView(now_s=now, workers=workers, residency=residency,
                            changes=pool.changes(owner))  # fmt: skip
         copied = msgspec.structs.replace(
