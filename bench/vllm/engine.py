@@ -100,6 +100,10 @@ def serve_env(spec: EngineSpec, workdir: Path, base: dict[str, str]) -> dict[str
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = spec.host
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.side_channel_port)
         env["UCX_TLS"] = "tcp,self,sm"
+        # The progress thread polls the UCX worker under its lock and runs at nice 19
+        # (`calm_spinners`); with UCX's default spinlock, a pull posted by the engine's own
+        # thread spun on that lock while its preempted holder waited for a core.
+        env["UCX_USE_MT_MUTEX"] = "y"
     return env
 
 
