@@ -9,7 +9,8 @@ observed = theta . x. Each observation is a step of recursive least squares with
 4x faster than predicted weighs what one 4x slower does, and seconds-long outliers weigh what
 their ratio says, not their ms. The covariance starts at the prior's spread (`FACTOR_SPREAD`,
 the base's own spread) and no variance may grow past it: a direction no sample excites (a
-roof that never binds) would otherwise grow without bound as it is forgotten.
+roof that never binds) would otherwise grow without bound as it is forgotten. A step that
+would take a number past its bound pins it there and is taken again for the others.
 
 Queue wait, as the router can measure it: the router forwards a turn at once, so its own
 queue stage (decision to the first leg sent) is about 0 and the wait happens inside the
@@ -43,6 +44,8 @@ BASE_MAX_MS = 60_000.0
 # The fitted numbers: the base, then the factors of the step overhead, the weights' products,
 # attention and the memory roof.
 PARAMETERS = 5
+_LOWER = (0.0, FACTOR_MIN, FACTOR_MIN, FACTOR_MIN, FACTOR_MIN)
+_UPPER = (BASE_MAX_MS, FACTOR_MAX, FACTOR_MAX, FACTOR_MAX, FACTOR_MAX)
 
 
 class Correction:
@@ -107,19 +110,52 @@ class Correction:
             return
         scale = math.sqrt(observed * predicted)
         z = [value / scale for value in x]
+        target = observed / scale
         cov = self._cov
         forget = 1.0 - 1.0 / memory_s
-        pz = [sum(cov[i][j] * z[j] for j in range(n)) for i in range(n)]
-        denominator = forget + sum(z[i] * pz[i] for i in range(n))
-        if not denominator > 0.0:
-            return
-        error = observed / scale - sum(theta[i] * z[i] for i in range(n))
+        # A step that would take a number past its bound pins it there, and the step is taken
+        # again for the others with it fixed: clipped after the step, a number at its bound
+        # (attention's factor at FACTOR_MIN, say) dropped its share of the step while the
+        # numbers correlated with it kept theirs, and the base, stepping against it sample
+        # after sample, went from tens of ms to a minute while every turn took 30 ms.
+        free = [True] * n
+        pinned = False
+        for _ in range(n):
+            zf = [z[i] if free[i] else 0.0 for i in range(n)]
+            pz = [sum(cov[i][j] * zf[j] for j in range(n)) if free[i] else 0.0
+                  for i in range(n)]  # fmt: skip
+            denominator = forget + sum(zf[i] * pz[i] for i in range(n))
+            if not denominator > 0.0:
+                return
+            error = target - sum(theta[i] * z[i] for i in range(n))
+            gains = [pz[i] / denominator for i in range(n)]
+            stepped = [theta[i] + gains[i] * error for i in range(n)]
+            out = [i for i in range(n) if free[i] and not _LOWER[i] <= stepped[i] <= _UPPER[i]]
+            if not out:
+                theta = stepped
+                break
+            for i in out:
+                theta[i] = _LOWER[i] if stepped[i] < _LOWER[i] else _UPPER[i]
+                free[i] = False
+            pinned = True
+        else:
+            gains = [0.0] * n  # every number at a bound: nothing left to fit
+            pz = gains
         for i in range(n):
-            gain = pz[i] / denominator
-            theta[i] += gain * error
+            if not free[i]:
+                continue
             row = cov[i]
-            for j in range(n):
-                row[j] = (row[j] - gain * pz[j]) / forget
+            for j in range(i, n):
+                if free[j]:
+                    # symmetric by construction: rounding apart, the two halves would drift
+                    row[j] = cov[j][i] = (row[j] - gains[i] * pz[j]) / forget
+        if pinned:
+            # The pinned numbers' covariances with the others no longer hold: dropped, the
+            # matrix stays positive semi-definite (two blocks that each are).
+            for i in range(n):
+                for j in range(n):
+                    if free[i] != free[j]:
+                        cov[i][j] = 0.0
         # A direction no sample excites would grow without bound as it is forgotten (windup):
         # no number is ever less certain than its prior.
         for i in range(n):
@@ -129,11 +165,7 @@ class Correction:
                 for j in range(n):
                     cov[i][j] *= shrink
                     cov[j][i] *= shrink
-        self.base = min(max(theta[0], 0.0), BASE_MAX_MS)
-        self.overhead = min(max(theta[1], FACTOR_MIN), FACTOR_MAX)
-        self.linear = min(max(theta[2], FACTOR_MIN), FACTOR_MAX)
-        self.attention = min(max(theta[3], FACTOR_MIN), FACTOR_MAX)
-        self.memory = min(max(theta[4], FACTOR_MIN), FACTOR_MAX)
+        self.base, self.overhead, self.linear, self.attention, self.memory = theta
 
 
 class Average:
