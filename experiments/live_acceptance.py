@@ -57,6 +57,7 @@ from experiments.acceptance_workloads import (
     Workload,
     matrix_workloads,
     needs_of,
+    nonstationary_workloads,
     offered_rps,
     variants,
 )
@@ -228,6 +229,13 @@ def _parser() -> argparse.ArgumentParser:
         help="names: " + ", ".join(n for n, _ in TRACES),
     )
     add("--classes", default="", help="matrix classes (experiments.acceptance's default matrix)")
+    add(
+        "--nonstationary",
+        default="",
+        help="non-stationary workloads: mix-shift, ramp-shift, returning-burst, stitched",
+    )
+    add("--phased-rate", type=float, default=1.0,
+        help="the non-stationary workloads' sessions/s at scale 1")  # fmt: skip
     add("--cluster", default="4xh200-sxm/llama-3.1-8b")
     add("--span-s", type=float, default=20.0, help="seconds of scaled arrivals a probe replays")
     add("--min-turns", type=int, default=200, help="turns a probe replays at least")
@@ -251,7 +259,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def workloads(args: argparse.Namespace) -> list[Workload]:
-    """The traces and matrix classes the options name, in that order."""
+    """The traces, matrix classes and non-stationary workloads the options name, in that
+    order."""
     files = dict(TRACES)
     out = []
     for name in names(args.traces):
@@ -266,6 +275,18 @@ def workloads(args: argparse.Namespace) -> list[Workload]:
         if name not in classes:
             raise SystemExit(f"unknown class {name!r}; known: {', '.join(classes)}")
         out.append(classes[name])
+    wanted = names(args.nonstationary)
+    phased = {
+        w.name: w
+        for w in nonstationary_workloads(
+            args.traces_dir, args.min_turns, args.span_s, args.phased_rate
+        )
+    } if wanted else {}  # fmt: skip
+    for name in wanted:
+        if name not in phased:
+            known = ", ".join(phased)
+            raise SystemExit(f"unknown non-stationary workload {name!r}; known: {known}")
+        out.append(phased[name])
     return out
 
 

@@ -68,6 +68,10 @@ def test_chosen_variants_keep_adaptive_and_refuse_unknown_labels() -> None:
         chosen(ALL, "disaggregate K=9")
 
 
+# the shared traces lie beside the checkout (../shared/traces), in CI as here
+SHARED_TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
+
+
 def test_workloads_are_the_named_traces_then_the_named_matrix_classes(tmp_path: Path) -> None:
     (tmp_path / "azure2023_AzureLLMInferenceTrace_conv.csv").write_text(
         "TIMESTAMP,ContextTokens,GeneratedTokens\n"
@@ -85,6 +89,23 @@ def test_workloads_are_the_named_traces_then_the_named_matrix_classes(tmp_path: 
     assert {len(c.turns) for c in klass.conversations} == {4}
     with pytest.raises(SystemExit, match="unknown class"):
         workloads(_parser().parse_args(["--traces", "", "--classes", "p1-g1-none"]))
+
+
+@pytest.mark.skipif(not SHARED_TRACES.exists(), reason="shared traces not mounted")
+def test_non_stationary_workloads_come_after_the_classes_with_the_multi_turn_bar() -> None:
+    args = _parser().parse_args([
+        "--traces-dir", str(SHARED_TRACES), "--traces", "", "--classes", "mixed-multi-turn",
+        "--nonstationary", "mix-shift,stitched", "--span-s", "40",
+    ])  # fmt: skip
+    chosen_workloads = workloads(args)
+    assert [(w.name, w.needs) for w in chosen_workloads] == [
+        ("mixed-multi-turn", 1.3), ("mix-shift", 1.3), ("stitched", 1.3)
+    ]  # fmt: skip
+    # two cycles of a long-prompt then a long-answer phase over the probe's span
+    shift = chosen_workloads[1].source.at(1.0)
+    assert max(c.turns[0].arrival_s for c in shift.conversations) <= 40.0
+    with pytest.raises(SystemExit, match="unknown non-stationary workload"):
+        workloads(_parser().parse_args(["--traces", "", "--nonstationary", "mix-shift,calm"]))
 
 
 @pytest.mark.parametrize("scheduling", ["priority", "fcfs"])

@@ -46,11 +46,14 @@ def test_every_engine_gets_its_port_side_channel_and_a_core_in_turn() -> None:
     env = serve_env(engines[1], Path("/w"), {})
     assert (env["VLLM_NIXL_SIDE_CHANNEL_PORT"], env["VLLM_CPU_OMP_THREADS_BIND"]) == ("9101", "1")
     assert env["HF_HUB_OFFLINE"] == "1" and env["TMPDIR"] == "/w/tmp"
+    # the reniced progress thread's lock: a mutex, never UCX's default spinlock
+    assert (env["UCX_TLS"], env["UCX_USE_MT_MUTEX"]) == ("tcp,self,sm", "y")
 
 
 def test_an_engine_without_a_connector_has_no_side_channel() -> None:
     spec = EngineSpec(model="/m", port=9000)
     assert "--kv-transfer-config" not in serve_args(spec)
-    assert "VLLM_NIXL_SIDE_CHANNEL_PORT" not in serve_env(spec, Path("/w"), {})
+    env = serve_env(spec, Path("/w"), {})
+    assert "VLLM_NIXL_SIDE_CHANNEL_PORT" not in env and "UCX_USE_MT_MUTEX" not in env
     with pytest.raises(ValueError, match="side_channel_port"):
         EngineSpec(model="/m", port=9000, kv_role="kv_both")
