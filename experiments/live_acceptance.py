@@ -299,7 +299,9 @@ def _stacks(
 ) -> Iterator[tuple[Workload, Variant, CompareSpec, StackSpec]]:
     """Each workload the options name, with each chosen variant's spec and stack."""
     cluster = ClusterSpec.parse(args.cluster)
-    contenders = chosen(variants(args.splits, args.thresholds, split=False), args.variants)
+    # a split keeps a decode worker: K = 1 .. workers - 1 (the default 1, 2 on 2 workers is 1)
+    splits = [k for k in args.splits if 0 < k < cluster.workers]
+    contenders = chosen(variants(splits, args.thresholds, split=False), args.variants)
     if args.screen:  # the baselines are screened against adaptive's search
         contenders.sort(key=lambda v: v.label != "adaptive")
     for workload in workloads(args):

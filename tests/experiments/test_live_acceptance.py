@@ -158,6 +158,17 @@ def test_each_named_workload_gets_each_chosen_variants_stack(tmp_path: Path) -> 
     assert planned[0][2].log_dir == str(tmp_path / "p4096-g512-none/threshold-1024/logs/threshold")
 
 
+def test_splits_that_leave_no_decode_worker_are_not_planned(tmp_path: Path) -> None:
+    """The default splits (1, 2) on 2 workers: disaggregate K=2 would leave no decode worker
+    (its stack refused to start, ending the whole run after adaptive's search)."""
+    args = _parser().parse_args([
+        "--traces", "", "--classes", "p4096-g512-none", "--cluster", "2xh200-sxm/llama-3.1-8b",
+        "--out", str(tmp_path),
+    ])  # fmt: skip
+    labels = [v.label for _, v, _, _ in _stacks(args)]
+    assert "disaggregate K=1" in labels and "disaggregate K=2" not in labels
+
+
 def _summary(scale: float, attainment: float) -> RunSummary:
     empty = summarise([], "threshold", scale, 20.0, "decode")
     return msgspec.structs.replace(empty, slo_attainment=attainment)
