@@ -119,7 +119,6 @@ class Correction:
         # numbers correlated with it kept theirs, and the base, stepping against it sample
         # after sample, went from tens of ms to a minute while every turn took 30 ms.
         free = [True] * n
-        pinned = False
         for _ in range(n):
             zf = [z[i] if free[i] else 0.0 for i in range(n)]
             pz = [sum(cov[i][j] * zf[j] for j in range(n)) if free[i] else 0.0
@@ -137,10 +136,6 @@ class Correction:
             for i in out:
                 theta[i] = _LOWER[i] if stepped[i] < _LOWER[i] else _UPPER[i]
                 free[i] = False
-            pinned = True
-        else:
-            gains = [0.0] * n  # every number at a bound: nothing left to fit
-            pz = gains
         for i in range(n):
             if not free[i]:
                 continue
@@ -149,7 +144,7 @@ class Correction:
                 if free[j]:
                     # symmetric by construction: rounding apart, the two halves would drift
                     row[j] = cov[j][i] = (row[j] - gains[i] * pz[j]) / forget
-        if pinned:
+        if not all(free):
             # The pinned numbers' covariances with the others no longer hold: dropped, the
             # matrix stays positive semi-definite (two blocks that each are).
             for i in range(n):
