@@ -271,23 +271,20 @@ def workloads(args: argparse.Namespace) -> list[Workload]:
             Workload(name, TraceSource(trace, args.min_turns, args.span_s), needs_of(trace, name))
         )
     classes = {w.name: w for w in matrix_workloads(default_matrix(), args.min_turns, args.span_s)}
-    for name in names(args.classes):
-        if name not in classes:
-            raise SystemExit(f"unknown class {name!r}; known: {', '.join(classes)}")
-        out.append(classes[name])
-    wanted = names(args.nonstationary)
-    phased = {
-        w.name: w
-        for w in nonstationary_workloads(
-            args.traces_dir, args.min_turns, args.span_s, args.phased_rate
-        )
-    } if wanted else {}  # fmt: skip
-    for name in wanted:
-        if name not in phased:
-            known = ", ".join(phased)
-            raise SystemExit(f"unknown non-stationary workload {name!r}; known: {known}")
-        out.append(phased[name])
+    out += _named("class", classes, args.classes)
+    if names(args.nonstationary):  # the stitched one reads every trace
+        built = nonstationary_workloads(args.traces_dir, args.min_turns, args.span_s,
+                                        args.phased_rate)  # fmt: skip
+        out += _named("non-stationary workload", {w.name: w for w in built}, args.nonstationary)
     return out
+
+
+def _named(kind: str, known: dict[str, Workload], text: str) -> list[Workload]:
+    """The workloads of `known` that `text` names (comma-separated), in its order."""
+    for name in names(text):
+        if name not in known:
+            raise SystemExit(f"unknown {kind} {name!r}; known: {', '.join(known)}")
+    return [known[name] for name in names(text)]
 
 
 def floats(text: str) -> tuple[float, ...]:
