@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from router.fleet.pulls import SMOOTHING, PullMeter
+from router.fleet.pulls import WINDOW_PULLS, PullMeter
 from router.fleet.telemetry import WorkerLoad, parse_worker_load
 
 CAPTURES = Path(__file__).resolve().parents[2] / "fixtures" / "vllm_0_32"
@@ -46,15 +46,17 @@ def test_sglang_pages_carry_no_pull_counters() -> None:
         ([(3, 0.3, 3000.0)], None),
         ([(0, 0.0, 0.0), (0, 0.0, 0.0)], None),
         ([(0, 0.0, 0.0), (1, 0.01, 1000.0)], 1e-5),
-        # two intervals with pulls: smoothed towards the newer
-        ([(0, 0.0, 0.0), (1, 0.01, 1000.0), (3, 0.05, 2000.0)], 1e-5 + SMOOTHING * (4e-5 - 1e-5)),
+        # two intervals with pulls: their seconds over their bytes
+        ([(0, 0.0, 0.0), (1, 0.01, 1000.0), (3, 0.05, 2000.0)], 0.05 / 2000),
+        # a small pull that waited prices its own bytes, not every byte after it
+        ([(0, 0.0, 0.0), (1, 0.01, 1000.0), (2, 0.02, 1100.0)], 0.02 / 1100),
         # an interval without pulls changes nothing
         ([(0, 0.0, 0.0), (1, 0.01, 1000.0), (1, 0.01, 1000.0)], 1e-5),
+        # the window: the oldest interval leaves once the newer ones hold WINDOW_PULLS pulls
+        ([(0, 0.0, 0.0), (1, 1.0, 1000.0), (1 + WINDOW_PULLS, 1.01, 2000.0)], 1e-5),
+        ([(0, 0.0, 0.0), (1, 1.0, 1000.0), (WINDOW_PULLS, 1.01, 2000.0)], 1.01 / 2000),
         # the engine restarted: its counters went down, the next growth counts from there
-        (
-            [(0, 0.0, 0.0), (5, 0.05, 5000.0), (1, 0.5, 1000.0), (2, 0.51, 2000.0)],
-            1e-5 + SMOOTHING * (1e-5 - 1e-5),
-        ),
+        ([(0, 0.0, 0.0), (5, 0.05, 5000.0), (1, 0.5, 1000.0), (2, 0.51, 2000.0)], 0.06 / 6000),
         # an engine without the counters
         ([(None, None, None), (None, None, None)], None),
     ],
