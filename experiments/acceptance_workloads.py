@@ -162,11 +162,14 @@ class Verdict(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 def variants(splits: Sequence[int], thresholds: Sequence[int], split: bool = True) -> list[Variant]:
-    """Colocate first (the pilot), the other baselines, adaptive on mixed workers (judged: it
-    splits per turn), and with `split` adaptive on the default fixed split (for reference)."""
+    """Colocate first (the pilot), the other baselines (disaggregate and each threshold at
+    every K of `splits`, labelled as the simulator's grid labels them), adaptive on mixed
+    workers (judged: it splits per turn), and with `split` adaptive on the default fixed
+    split (for reference)."""
     out = [Variant("colocate", "colocate"), Variant("round-robin", "round-robin")]
     out += [Variant(f"disaggregate K={k}", "disaggregate", prefill_workers=k) for k in splits]
-    out += [Variant(f"threshold {t}", "threshold", {"threshold": str(t)}) for t in thresholds]
+    out += [Variant(f"threshold {t} K={k}", "threshold", {"threshold": str(t)}, prefill_workers=k)
+            for t in thresholds for k in splits]  # fmt: skip
     out.append(Variant("adaptive", "adaptive", mixed=True))
     if split:
         out.append(Variant("adaptive (fixed split)", "adaptive"))

@@ -40,8 +40,10 @@ ALL = variants([1, 2], [256, 1024], split=False)
         ("colocate", "colocate", ("mixed",) * 4, ()),
         ("round-robin", "round-robin", ("prefill", "decode", "decode", "decode"), ()),
         ("disaggregate K=2", "disaggregate", ("prefill", "prefill", "decode", "decode"), ()),
-        ("threshold 256", "threshold", ("prefill", "decode", "decode", "decode"),
+        ("threshold 256 K=1", "threshold", ("prefill", "decode", "decode", "decode"),
          (("threshold", "256"),)),
+        ("threshold 1024 K=2", "threshold", ("prefill", "prefill", "decode", "decode"),
+         (("threshold", "1024"),)),
         ("adaptive", "adaptive", ("mixed",) * 4, None),
     ],
 )  # fmt: skip
@@ -60,8 +62,8 @@ def test_each_variant_searches_its_own_policy_layout_and_parameters(
 
 
 def test_chosen_variants_keep_adaptive_and_refuse_unknown_labels() -> None:
-    assert [v.label for v in chosen(ALL, "colocate, threshold 1024")] == [
-        "colocate", "threshold 1024", "adaptive"
+    assert [v.label for v in chosen(ALL, "colocate, threshold 1024 K=2")] == [
+        "colocate", "threshold 1024 K=2", "adaptive"
     ]  # fmt: skip
     assert chosen(ALL, "") == ALL
     with pytest.raises(SystemExit, match="unknown variants"):
@@ -146,16 +148,17 @@ def test_fixed_rate_probes_parse_and_render_why_requests_missed() -> None:
 def test_each_named_workload_gets_each_chosen_variants_stack(tmp_path: Path) -> None:
     args = _parser().parse_args([
         "--traces", "", "--classes", "p4096-g512-none, p16384-g64-none", "--cluster",
-        "2xh200-sxm/llama-3.1-8b", "--variants", "threshold 1024", "--scheduling-policy", "fcfs",
-        "--out", str(tmp_path),
+        "2xh200-sxm/llama-3.1-8b", "--variants", "threshold 1024 K=1", "--scheduling-policy",
+        "fcfs", "--out", str(tmp_path),
     ])  # fmt: skip
     planned = [(w.name, v.label, stack) for w, v, _, stack in _stacks(args)]
     assert [(name, label) for name, label, _ in planned] == [
-        ("p4096-g512-none", "threshold 1024"), ("p4096-g512-none", "adaptive"),
-        ("p16384-g64-none", "threshold 1024"), ("p16384-g64-none", "adaptive"),
+        ("p4096-g512-none", "threshold 1024 K=1"), ("p4096-g512-none", "adaptive"),
+        ("p16384-g64-none", "threshold 1024 K=1"), ("p16384-g64-none", "adaptive"),
     ]  # fmt: skip
     assert {stack.scheduling_policy for _, _, stack in planned} == {"fcfs"}
-    assert planned[0][2].log_dir == str(tmp_path / "p4096-g512-none/threshold-1024/logs/threshold")
+    logs = tmp_path / "p4096-g512-none/threshold-1024-K1/logs/threshold"
+    assert planned[0][2].log_dir == str(logs)
 
 
 def test_splits_that_leave_no_decode_worker_are_not_planned(tmp_path: Path) -> None:
@@ -197,7 +200,7 @@ async def test_a_screen_probes_a_baseline_once_at_adaptives_max_over_the_needs(
     workload_name: str, attainment: float, probed_at: float, screened: bool, tmp_path: Path
 ) -> None:  # fmt: skip
     workload = _class(workload_name, tmp_path)
-    (variant,) = [v for v in ALL if v.label == "threshold 256"]
+    (variant,) = [v for v in ALL if v.label == "threshold 256 K=1"]
     spec = spec_of(variant, CLUSTER, tolerance=0.1)
     stack = stack_of(spec, tmp_path, "priority")
     probed: list[float] = []
@@ -205,7 +208,7 @@ async def test_a_screen_probes_a_baseline_once_at_adaptives_max_over_the_needs(
     async def run(
         source: object, label: str, spec_: object, stack_: StackSpec, scale: float
     ) -> tuple[RunSummary, int, float]:
-        assert label == "threshold 256" and stack_ is stack
+        assert label == "threshold 256 K=1" and stack_ is stack
         probed.append(scale)
         return _summary(scale, attainment), 300, 7.5 * scale
 
@@ -262,9 +265,10 @@ def test_a_screened_baseline_is_beaten_by_construction_and_reported_as_a_bound(
 def test_screening_searches_adaptive_first(tmp_path: Path) -> None:
     args = _parser().parse_args([
         "--traces", "", "--classes", "p4096-g512-none", "--cluster", "2xh200-sxm/llama-3.1-8b",
-        "--variants", "colocate,threshold 1024", "--screen", "--out", str(tmp_path),
+        "--variants", "colocate,threshold 1024 K=1", "--screen", "--out", str(tmp_path),
     ])  # fmt: skip
-    assert [v.label for _, v, _, _ in _stacks(args)] == ["adaptive", "colocate", "threshold 1024"]
+    labels = [v.label for _, v, _, _ in _stacks(args)]
+    assert labels == ["adaptive", "colocate", "threshold 1024 K=1"]
 
 
 def test_reused_searches_and_screens_are_not_run_again(tmp_path: Path) -> None:
