@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from bench.hindsight import next_splits
-from experiments.acceptance_workloads import Measured, Variant
+from experiments.acceptance_workloads import Measured, Variant, fixed_variants
 
 
 def split_label(family: str, k: int) -> str:
@@ -29,6 +29,14 @@ def split_variant(family: str, k: int) -> Variant:
 
 def families(thresholds: Sequence[int]) -> list[str]:
     return ["disaggregate", *[f"threshold {t}" for t in thresholds]]
+
+
+def variants(splits: Sequence[int], thresholds: Sequence[int]) -> list[Variant]:
+    """Colocate first (the pilot), round-robin, each split family at every K of `splits`,
+    then adaptive on mixed workers (judged: it splits per turn)."""
+    colocate, round_robin, adaptive = fixed_variants()
+    grid = [split_variant(family, k) for family in families(thresholds) for k in splits]
+    return [colocate, round_robin, *grid, adaptive]
 
 
 def next_variants(

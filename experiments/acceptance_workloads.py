@@ -161,21 +161,6 @@ class Verdict(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     measured: list[Measured]
 
 
-def variants(splits: Sequence[int], thresholds: Sequence[int], split: bool = True) -> list[Variant]:
-    """Colocate first (the pilot), the other baselines (disaggregate and each threshold at
-    every K of `splits`, labelled as the simulator's grid labels them), adaptive on mixed
-    workers (judged: it splits per turn), and with `split` adaptive on the default fixed
-    split (for reference)."""
-    out = [Variant("colocate", "colocate"), Variant("round-robin", "round-robin")]
-    out += [Variant(f"disaggregate K={k}", "disaggregate", prefill_workers=k) for k in splits]
-    out += [Variant(f"threshold {t} K={k}", "threshold", {"threshold": str(t)}, prefill_workers=k)
-            for t in thresholds for k in splits]  # fmt: skip
-    out.append(Variant("adaptive", "adaptive", mixed=True))
-    if split:
-        out.append(Variant("adaptive (fixed split)", "adaptive"))
-    return out
-
-
 def fixed_variants(split: bool = False) -> list[Variant]:
     """The variants with one layout: colocate first (the pilot), round-robin, adaptive on
     mixed workers (judged: it splits per turn), with `split` adaptive on the default fixed

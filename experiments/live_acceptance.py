@@ -45,6 +45,7 @@ from bench.stack.layout import ClusterSpec
 from bench.stack.up import StackSpec, run_stopping_on_sigterm
 from bench.traces.model import load_trace
 from experiments.acceptance import default_matrix, ints, names, reused
+from experiments.acceptance_grid import variants
 from experiments.acceptance_verdicts import render, rps_text, verdict
 from experiments.acceptance_workloads import (
     TRACES,
@@ -59,7 +60,6 @@ from experiments.acceptance_workloads import (
     needs_of,
     nonstationary_workloads,
     offered_rps,
-    variants,
 )
 
 
@@ -281,10 +281,11 @@ def workloads(args: argparse.Namespace) -> list[Workload]:
 
 def _named(kind: str, known: dict[str, Workload], text: str) -> list[Workload]:
     """The workloads of `known` that `text` names (comma-separated), in its order."""
-    for name in names(text):
+    wanted = names(text)
+    for name in wanted:
         if name not in known:
             raise SystemExit(f"unknown {kind} {name!r}; known: {', '.join(known)}")
-    return [known[name] for name in names(text)]
+    return [known[name] for name in wanted]
 
 
 def floats(text: str) -> tuple[float, ...]:
@@ -298,7 +299,7 @@ def _stacks(
     cluster = ClusterSpec.parse(args.cluster)
     # a split keeps a decode worker: K = 1 .. workers - 1 (the default 1, 2 on 2 workers is 1)
     splits = [k for k in args.splits if 0 < k < cluster.workers]
-    contenders = chosen(variants(splits, args.thresholds, split=False), args.variants)
+    contenders = chosen(variants(splits, args.thresholds), args.variants)
     if args.screen:  # the baselines are screened against adaptive's search
         contenders.sort(key=lambda v: v.label != "adaptive")
     for workload in workloads(args):

@@ -6,9 +6,9 @@ two scrapes, the counters' growth is what the pulls in that interval took. The s
 byte of the last `WINDOW_PULLS` pulls, pooled (their seconds over their bytes), price the next
 handoff's bytes into that worker: that is the transfer time the policy learns its links from.
 
-Pooled rather than averaged per interval: one pull's time swings by two orders of magnitude
-with whether its engine's thread held a core when the bytes landed, and an average of
-per-interval ratios lets a small pull that waited price every byte after it.
+Pooled rather than averaged per interval: one pull's time swings widely with whether its
+engine's thread held a core when the bytes landed, and an average of per-interval ratios lets
+a small pull that waited price every byte after it.
 """
 
 from __future__ import annotations

@@ -15,8 +15,9 @@ from bench.compare import plan
 from bench.results.summary import MissCauses, RunSummary, summarise
 from bench.stack.layout import ClusterSpec
 from bench.stack.up import StackSpec
+from experiments.acceptance_grid import variants
 from experiments.acceptance_verdicts import render, verdict
-from experiments.acceptance_workloads import Measured, Offered, Verdict, Workload, variants
+from experiments.acceptance_workloads import Measured, Offered, Verdict, Workload
 from experiments.live_acceptance import (
     Probe,
     _parser,
@@ -31,7 +32,7 @@ from experiments.live_acceptance import (
 )
 
 CLUSTER = ClusterSpec.parse("4xh200-sxm/llama-3.1-8b")
-ALL = variants([1, 2], [256, 1024], split=False)
+ALL = variants([1, 2], [256, 1024])
 
 
 @pytest.mark.parametrize(
