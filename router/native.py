@@ -88,6 +88,8 @@ def build(
     from mypyc.build import mypycify  # a dev dependency: only building needs it
     from setuptools import setup
 
+    # taken before compiling: a source edited meanwhile leaves the build stale, not "fresh"
+    manifest = json.dumps(fingerprint(root, modules))
     shutil.rmtree(out, ignore_errors=True)  # no module left over from an earlier list
     here = Path.cwd()
     os.chdir(root)  # mypy reads the project's configuration, paths are the module names
@@ -99,10 +101,10 @@ def build(
             setup(name=group, ext_modules=extensions, script_args=command)
     finally:
         os.chdir(here)
-    (out / LIBRARY).mkdir()
+    (out / LIBRARY).mkdir(parents=True)
     for library in out.glob(group + "__mypyc*"):
         library.rename(out / LIBRARY / library.name)
-    (out / MANIFEST).write_text(json.dumps(fingerprint(root, modules)))
+    (out / MANIFEST).write_text(manifest)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -3,7 +3,9 @@
 Each connection serves one request at a time; pipelined requests wait in order. A request's
 body is read whole before its handler runs as a task; the handler returns a `Response` or
 streams chunks through its `StreamWriter`. A client that disconnects while its handler runs gets
-that task cancelled at once: this is how the router abandons the upstream request.
+that task cancelled at once: this is how the router abandons the upstream request. One that
+leaves after its streamed answer has ended does not: the handler's work past the end (reading
+the worker's stream to its close, the turn's bookkeeping) is no longer the client's to cancel.
 
 A client that half-closes (shutdown(SHUT_WR)) after whole requests, before their answers
 start, still gets them (a FIN once an answer has started means the client left). A FIN reads
@@ -136,15 +138,21 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        self._server.connection_closed(self)
         self._cancel_idle_timer()
         self._cancel_read_timer()
         if self._peer_timer is not None:
             self._peer_timer.cancel()
             self._peer_timer = None
         self._queue.clear()
-        if self.task is not None:
-            self.task.cancel()
+        task = self.task
+        if task is not None and self._writer is not None and self._writer.ended:
+            # the answer is whole: the handler finishes, and the server counts this
+            # connection until it has (its `close` waits for it)
+            self._wake_writer()
+            return
+        self._server.connection_closed(self)
+        if task is not None:
+            task.cancel()
         self._wake_writer()
 
     def pause_writing(self) -> None:
@@ -209,6 +217,8 @@ class _Connection(asyncio.Protocol):
         finally:
             self.task = self._writer = None
             writer._run_after_sent()
+            if self.closed:
+                self._server.connection_closed(self)  # the client left while this finished
         self._after_response(keep_alive)
 
     def _respond(self, request: Request, response: Response, keep_alive: bool) -> None:

@@ -84,16 +84,17 @@ class StreamWriter:
         """End the stream, with `last` as its final chunk (one send for both)."""
         if not self.started:
             raise RuntimeError("end() before start()")
-        if not self.ended:
-            self.ended = True
-            if not self._conn.closed:
-                out = b""
-                if last and not self._head_only:
-                    out = b"%x\r\n%b\r\n" % (len(last), last) if self.chunked else last
-                if self.chunked and not self._head_only:
-                    out += b"0\r\n\r\n"
-                self._send(out)
-            await self._conn.drain()  # raises ConnectionResetError once the client is gone
+        if self.ended:
+            return  # the client has it all, whether or not it is still connected
+        self.ended = True
+        if not self._conn.closed:
+            out = b""
+            if last and not self._head_only:
+                out = b"%x\r\n%b\r\n" % (len(last), last) if self.chunked else last
+            if self.chunked and not self._head_only:
+                out += b"0\r\n\r\n"
+            self._send(out)
+        await self._conn.drain()  # raises ConnectionResetError once the client is gone
 
     def _send(self, data: bytes) -> None:
         if self._held:

@@ -118,6 +118,8 @@ class StreamRelay:
                 elif out:
                     await self._downstream.write(out)
         except (UpstreamError, TimeoutError) as exc:
+            if result.completed:
+                return result  # past [DONE]: the answer is whole, only its connection broke
             result.error = f"worker stream failed: {exc or type(exc).__name__}"
             if isinstance(exc, UpstreamTimeout):
                 result.timed_out = exc.stage

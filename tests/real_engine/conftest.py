@@ -114,10 +114,19 @@ class Router:
         with urllib.request.urlopen(request, timeout=10) as answer:
             return json.loads(answer.read() or b"null")
 
-    def decisions(self) -> list[dict[str, object]]:
-        found = self.admin("GET", "decisions?limit=1000")
-        assert isinstance(found, dict)
-        return list(found["decisions"])
+    def decisions(self, session_prefix: str = "", count: int = 0) -> list[dict[str, object]]:
+        """The router's decisions of the sessions whose ids start with `session_prefix`, once
+        at least `count` have settled (within 10 s): a turn's decision settles just after its
+        client has the whole answer, as the router reads the worker's stream to its close."""
+        deadline = time.monotonic() + 10.0
+        while True:
+            found = self.admin("GET", "decisions?limit=1000")
+            assert isinstance(found, dict)
+            decisions = [d for d in found["decisions"]
+                         if str(d["session_id"]).startswith(session_prefix)]  # fmt: skip
+            if len(decisions) >= count or time.monotonic() > deadline:
+                return decisions
+            time.sleep(0.05)
 
     def stop(self) -> None:
         for client in self._clients:

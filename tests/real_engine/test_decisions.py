@@ -49,8 +49,9 @@ def _turns(client: openai.OpenAI, seed: int, turns: int) -> list[Any]:
     return answers
 
 
-def _decisions(router: Router, session: str) -> list[dict[str, Any]]:
-    return sorted((d for d in router.decisions() if d["session_id"] == session),
+def _decisions(router: Router, session: str, count: int) -> list[dict[str, Any]]:
+    """The session's decisions in order, once `count` have settled."""
+    return sorted((d for d in router.decisions(session, count) if d["session_id"] == session),
                   key=lambda d: d["admitted"])  # fmt: skip
 
 
@@ -61,7 +62,7 @@ def test_migrate_moves_the_session_by_transfer(fleet: list[str], start_router: S
     before = engine_counters(b)
     answers = _turns(router.client("migrate"), 11, 3)
     after = engine_counters(b)
-    actions = [d["action"] for d in _decisions(router, "migrate")]
+    actions = [d["action"] for d in _decisions(router, "migrate", 3)]
     assert actions == ["colocate", "migrate", "colocate"]
     second = answers[1].usage.prompt_tokens
     # the migration pulled the second turn's prompt into b; the third turn found it cached
@@ -79,7 +80,7 @@ def test_recompute_prefills_the_whole_context_elsewhere(
     before = engine_counters(b)
     answers = _turns(router.client("recompute"), 12, 2)
     after = engine_counters(b)
-    decisions = _decisions(router, "recompute")
+    decisions = _decisions(router, "recompute", 2)
     assert [d["action"] for d in decisions] == ["colocate", "recompute"]
     assert decisions[1]["recomputed_tokens"] > 0
     computed = after["local_compute"] - before["local_compute"]
@@ -104,7 +105,7 @@ def test_reject_answers_429_or_503_with_retry_after(
         assert float(answer.headers["retry-after"]) >= 1
         error = msgspec.json.decode(answer.read())["error"]
     assert {"message", "type", "param", "code"} <= set(error)
-    assert [d["action"] for d in _decisions(router, "reject")] == ["reject"]
+    assert [d["action"] for d in _decisions(router, "reject", 1)] == ["reject"]
 
 
 def test_turns_due_sooner_are_admitted_first_on_priority_engines(
@@ -227,7 +228,7 @@ def test_decode_leg_500_after_a_good_prefill_is_retried_as_a_local_prefill(
     assert answer.usage is not None and answer.usage.completion_tokens == 8
     # the retry prefilled the prompt locally on the other decode worker
     assert after["local_compute"] - before["local_compute"] == answer.usage.prompt_tokens
-    decision = _decisions(router, "decode-500")[0]
+    decision = _decisions(router, "decode-500", 1)[0]
     assert decision["retried"] and decision["recomputed_tokens"] > 0
 
 

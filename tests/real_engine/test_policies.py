@@ -73,6 +73,6 @@ def test_policy_serves_a_multi_turn_load_to_the_end(
 
     lengths = asyncio.run(load())
     assert lengths == [[ANSWER_TOKENS] * TURNS] * SESSIONS
-    decisions = [d for d in router.decisions() if str(d["session_id"]).startswith(policy)]
+    decisions = router.decisions(policy, count=SESSIONS * TURNS)
     assert len(decisions) == SESSIONS * TURNS
     assert all(d["outcome"] == "completed" for d in decisions), [d["outcome"] for d in decisions]

@@ -67,7 +67,7 @@ def test_nixl_handoff_moves_the_prompt_and_gives_the_undivided_text(
         undivided = direct.completions.create(model=str(MODEL), prompt=prompt, max_tokens=24,
                                               **_greedy())  # fmt: skip
     assert split.choices[0].text == undivided.choices[0].text
-    decision = next(d for d in router.decisions() if d["session_id"] == "handoff")
+    (decision,) = router.decisions("handoff", count=1)
     assert decision["action"] == "handoff"
     assert decision["transferred_bytes"] == prompt_tokens * 1024  # the router's own count
 

@@ -118,6 +118,24 @@ def test_build_refuses_a_module_that_defines_a_struct(tmp_path: Path) -> None:
         native.build(tmp_path, tmp_path / "out", ("pkg/m.py",))
 
 
+def test_a_source_edited_while_it_compiles_leaves_the_build_stale(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import mypyc.build
+
+    root, out = tmp_path / "src", tmp_path / "out"
+    (root / "pkg").mkdir(parents=True)
+    (root / _MODULE).write_text("X = 1\n")
+
+    def compile_while_edited(modules: list[str], **options: object) -> list[object]:
+        (root / _MODULE).write_text("X = 2\n")  # saved by an editor as the compiler reads it
+        return []
+
+    monkeypatch.setattr(mypyc.build, "mypycify", compile_while_edited)
+    native.build(root, out, (_MODULE,), "hotgroup")
+    assert not native.BUILD.is_fresh(root, out, (_MODULE,))
+
+
 def test_no_compiled_module_defines_a_struct() -> None:
     for module in native.MODULES:
         assert not native.defines_struct((native.ROOT / module).read_text()), module

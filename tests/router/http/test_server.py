@@ -364,6 +364,58 @@ async def test_client_disconnect_cancels_the_handler_at_once(serve: Serve, strea
     assert len(server.connections) == 0
 
 
+async def test_a_client_leaving_after_its_stream_ended_lets_the_handler_finish(
+    serve: Serve,
+) -> None:
+    # A relay ends the client's stream at the worker's [DONE], then reads the worker's stream
+    # to its close: a client gone meanwhile had its whole answer and cancels nothing.
+    ended, finish = asyncio.Event(), asyncio.Event()
+    finished: list[str] = []
+
+    async def ends_then_works(request: Request, writer: StreamWriter) -> None:
+        await writer.start(200, {"Content-Type": "text/event-stream"})
+        await writer.end(b"data: [DONE]\n\n")
+        ended.set()
+        await finish.wait()
+        await writer.end()  # a second end is a no-op, with or without the client
+        finished.append("done")
+        return None
+
+    server, client = await serve(ends_then_works)
+    client.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+    await asyncio.wait_for(ended.wait(), timeout=2)
+    answer = b""
+    while not answer.endswith(b"0\r\n\r\n"):
+        answer += await asyncio.wait_for(client.reader.read(65536), 2)
+    client.writer.transport.abort()
+    await asyncio.sleep(0.05)  # the server has seen the connection go
+    (conn,) = server.connections  # counted until its handler is done
+    assert conn.closed and conn.task is not None and not conn.task.done()
+    finish.set()
+    await asyncio.sleep(0.01)
+    assert finished == ["done"] and len(server.connections) == 0
+
+
+async def test_close_waits_for_a_handler_finishing_after_its_client_left(serve: Serve) -> None:
+    ended, finished = asyncio.Event(), asyncio.Event()
+
+    async def ends_then_works(request: Request, writer: StreamWriter) -> None:
+        await writer.start(200, {"Content-Type": "text/event-stream"})
+        await writer.end(b"data: [DONE]\n\n")
+        ended.set()
+        await asyncio.sleep(0.2)
+        finished.set()
+        return None
+
+    server, client = await serve(ends_then_works)
+    client.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+    await asyncio.wait_for(ended.wait(), timeout=2)
+    client.writer.transport.abort()
+    await asyncio.sleep(0.05)
+    await server.close(grace_s=5.0)
+    assert finished.is_set() and len(server.connections) == 0
+
+
 @pytest.mark.parametrize("streaming", [False, True], ids=["plain", "stream"])
 async def test_after_sent_runs_once_the_client_has_its_reply(serve: Serve, streaming: bool) -> None:
     # The callback blocks the server's loop until a client in another thread holds the whole

@@ -33,7 +33,7 @@ from router.app import Router
 from router.config import PolicyConfig, RouterConfig, WorkerSpec
 from router.http import HttpServer
 
-FaultKind = Literal["status", "drop", "stall", "cut", "slow"]
+FaultKind = Literal["status", "drop", "stall", "cut", "slow", "linger"]
 WAIT_S = 5.0  # the longest any test waits for something to happen
 
 
@@ -56,6 +56,7 @@ class Fault:
     kind: FaultKind
     status: int = 500
     after_frames: int = 2  # "cut": content frames sent before the connection is cut
+    linger_s: float = 0.5  # "linger": how long the stream stays open after its [DONE]
 
 
 @dataclass
@@ -241,6 +242,8 @@ class FakeWorker:
         for frame in frames:
             await response.write(self._sse(frame))
         await response.write(b"data: [DONE]\n\n")
+        if fault is not None and fault.kind == "linger":
+            await asyncio.sleep(fault.linger_s)
         await response.write_eof()
         return response
 

@@ -10,6 +10,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import aiohttp
 import openai
 import pytest
 import redis.asyncio as aioredis
@@ -468,6 +469,30 @@ async def test_client_disconnecting_mid_stream_cancels_the_upstream_request(
     # and the router goes on serving
     status, _, reply = await post(stack, router, chat_body())
     assert status == 200 and reply["choices"][0]["message"]["content"] == " a0 a1 a2"
+
+
+async def test_client_leaving_once_its_stream_ended_leaves_the_turn_completed(
+    stack: Stack,
+) -> None:
+    # The worker's stream closes a while after its [DONE]; the client has its whole answer at
+    # the [DONE] and goes: the router reads the worker's stream to its close all the same.
+    a = await stack.worker("a")
+    a.fail_next("linger", linger_s=0.5)
+    router = await stack.router([spec(a)])
+    body = {**chat_body(), "stream": True}
+    async with aiohttp.ClientSession() as client:  # its own connection, closed at once
+        async with client.post(router.url + "/v1/chat/completions", json=body) as response:
+            lines = [line.strip() async for line in response.content if line.strip()]
+    assert lines[-1] == b"data: [DONE]" and text_of(lines) == " a0 a1 a2"
+
+    async def settled() -> bool:
+        return len(await router.decisions(stack.http)) == 1
+
+    await eventually(settled)
+    (event,) = await router.decisions(stack.http)
+    assert event["outcome"] == "completed" and event["error"] is None
+    assert await router.metric(stack.http, "session_router_client_disconnects_total") == 0
+    assert a.closed_early == 0  # the worker's stream was read to its close
 
 
 async def test_client_giving_up_on_a_whole_turn_cancels_the_upstream_request(

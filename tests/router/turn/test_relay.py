@@ -130,6 +130,17 @@ async def test_a_stream_that_breaks_off_ends_with_an_error_event(
     assert not client.ended  # the caller ends the response
 
 
+@pytest.mark.parametrize(
+    "fail", [UpstreamBodyError("reset"), TimeoutError()], ids=["reset", "timeout"]
+)
+async def test_a_worker_connection_that_breaks_after_done_leaves_the_answer_whole(
+    fail: Exception,
+) -> None:
+    out, result, client = await relay([ROLE, TOKENS[0], DONE, b": trailing comment\n\n"], fail)
+    assert out == ROLE + TOKENS[0] + DONE and client.ended
+    assert result.completed and result.error is None and result.timed_out is None
+
+
 STREAM = ROLE + b"".join(TOKENS) + USAGE + DONE
 
 
