@@ -120,7 +120,14 @@ class Estimates:
         self._decode_by_worker = self._prefill_by_worker
         self._link_bps: dict[tuple[str, str], float] = {}
         self._fleet_link_bps: float | None = None
-        self._context = Average(float(TYPICAL_PROMPT_TOKENS), rate * CONTEXT_RATE_FRACTION)
+        # The context of a stream found decoding: each answer's mean context weighted by how
+        # long it decodes (its tokens), a ratio of two running means. Long answers fill the
+        # batches for longer than short ones, whatever their share of the turns.
+        context_rate = rate * CONTEXT_RATE_FRACTION
+        self._stream_tokens = Average(float(TYPICAL_COMPLETION_TOKENS), context_rate)
+        self._context_tokens = Average(
+            float(TYPICAL_PROMPT_TOKENS * TYPICAL_COMPLETION_TOKENS), context_rate
+        )
         self._completion = Average(float(TYPICAL_COMPLETION_TOKENS), rate * CONTEXT_RATE_FRACTION)
         self._shared = Average(0.0, rate)
         self._typical_prefill = Average(typical_ms, rate)
@@ -158,7 +165,7 @@ class Estimates:
             cached if cached > 0 else 0,
             self.chunk_tokens,
             running,
-            self._context.value,
+            self.mean_context_tokens,
         )
         correction = self._worker_correction(worker)
         return correction.predict(terms)
@@ -198,8 +205,10 @@ class Estimates:
 
     @property
     def mean_context_tokens(self) -> float:
-        """The mean context of the decode streams seen so far (EWMA)."""
-        return self._context.value
+        """The mean context of a decode stream running beside others, as seen so far: each
+        answer's mean context weighted by its decode tokens (a ratio of EWMAs)."""
+        tokens = self._stream_tokens.value
+        return self._context_tokens.value / tokens if tokens > 0.0 else 0.0
 
     @property
     def mean_completion_tokens(self) -> float:
@@ -299,9 +308,16 @@ class Estimates:
         assert outcome.decode_ms is not None
         step = outcome.decode_ms / (outcome.completion_tokens - 1)
         context = max(0, outcome.prompt_tokens) + 0.5 * outcome.completion_tokens
-        terms = self.prior.decode_terms(running + 1, context)
+        # The streams beside it at the mean context, as a prediction counts them
+        # (`TurnTerms._decode_on`): taken at this turn's own, a long context would teach a
+        # slower memory roof for a whole batch of short ones, and a short one a faster.
+        batch = running + 1
+        beside = (running * self.mean_context_tokens + context) / batch
+        terms = self.prior.decode_terms(batch, beside)
         self._learn(self._decode, self._decode_by_worker, outcome.decode_worker, terms, step, False)
-        self._context.add(context)
+        decoded = outcome.completion_tokens - 1
+        self._stream_tokens.add(decoded)
+        self._context_tokens.add(context * decoded)
 
     def _observe_prefill(
         self, outcome: Outcome, leg: PrefillLeg, stage: float, queued: float
@@ -312,7 +328,7 @@ class Estimates:
         cached = min(max(0, leg.cached), prompt)
         uncached = max(1, prompt - cached)
         terms = self.prior.prefill_terms(
-            uncached, cached, self.chunk_tokens, max(0, leg.beside), self._context.value
+            uncached, cached, self.chunk_tokens, max(0, leg.beside), self.mean_context_tokens
         )
         worker = outcome.prefill_worker or outcome.decode_worker
         correction = self._prefill_by_worker.get(worker or "", self._prefill)

@@ -55,6 +55,14 @@ def draw_prompt(rng: random.Random) -> tuple[int, int]:
     return new, rng.choice((0, rng.randint(0, 16000)))
 
 
+def _workload_context() -> float:
+    rng = random.Random(0)
+    return sum(sum(draw_prompt(rng)) + 128 for _ in range(20_000)) / 20_000
+
+
+WORKLOAD_CONTEXT = _workload_context()  # a stream's mean context: prompt + half its answer
+
+
 def measured_outcome(
     rng: random.Random, truth: Truth, action: str, worker: str = "w1", queue_ms: float | None = None
 ) -> Outcome:
@@ -66,7 +74,9 @@ def measured_outcome(
         # The prefill shares its step with the running streams, of the workload's contexts.
         others = sum(sum(draw_prompt(rng)) + 128 for _ in range(running)) / running
         prefill = truth.prefill_ms(new, cached, running, others)
-    step = truth.step_ms(running + 1, new + cached + completion / 2)
+    # Its decode steps too hold the streams beside it, of the workload's mean context.
+    own = new + cached + completion / 2
+    step = truth.step_ms(running + 1, (own + running * WORKLOAD_CONTEXT) / (running + 1))
     return Outcome(
         request_id="r",
         session_id="s",
@@ -536,3 +546,21 @@ def test_a_held_turn_teaches_its_prefill_without_the_hold() -> None:
         held.observe(msgspec.structs.replace(whole, ttft_ms=1400.0, held_ms=1000.0))
     assert _snapshot(held) == _snapshot(unheld)
     assert _snapshot(held) != _snapshot(reference)
+
+
+def test_the_mean_context_is_that_of_a_stream_found_decoding() -> None:
+    # Short prompts with long answers and long prompts with short answers, turn for turn: a
+    # batch holds the long answers most of the time, and a decode step reads their KV.
+    estimates = Estimates.from_presets("h200-sxm")
+    classes = ((256, 768), (6144, 48))
+    for turn in range(600):
+        prompt, completion = classes[turn % 2]
+        estimates.observe(Outcome(
+            request_id=f"r{turn}", session_id="s", action="colocate", prefill_worker="w",
+            decode_worker="w", prompt_tokens=prompt, cached_tokens=0,
+            completion_tokens=completion, ok=True, prefill_ms=50.0,
+            decode_ms=10.0 * (completion - 1), worker_running_at_start=8,
+        ))  # fmt: skip
+    contexts = [(prompt + completion / 2, completion - 1) for prompt, completion in classes]
+    found = sum(c * n for c, n in contexts) / sum(n for _, n in contexts)  # about 960
+    assert estimates.mean_context_tokens == pytest.approx(found, rel=0.05)
