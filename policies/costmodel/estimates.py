@@ -80,8 +80,11 @@ MAX_TRACKED = 4096
 # Per-worker factors within this of the fleet's are taken as the fleet's (noise, not speed).
 WORKER_DEADBAND = 0.15
 # The fit of the base and the roof factors remembers about this many samples over `rate`:
-# four numbers need several samples each, more than one running mean does.
-FIT_MEMORY = 5.0
+# four numbers need several samples each, more than one running mean does, and a decode
+# stage's mean step scatters (the prefills that joined its steps, a batch that changed
+# under it): remembering a few dozen, the fit wandered along what few samples pin (the
+# memory roof against the step overhead) to its bounds.
+FIT_MEMORY = 20.0
 # A link's rate moves with what its two ends run (on CPUs a pull waits for the source engine's
 # steps), faster than a GPU's speed: its EWMA follows at this many times `rate`.
 LINK_RATE_FACTOR = 3.0
