@@ -145,14 +145,12 @@ class _Connection(asyncio.Protocol):
             self._peer_timer = None
         self._queue.clear()
         task = self.task
-        if task is not None and self._writer is not None and self._writer.ended:
-            # the answer is whole: the handler finishes, and the server counts this
-            # connection until it has (its `close` waits for it)
-            self._wake_writer()
-            return
-        self._server.connection_closed(self)
-        if task is not None:
-            task.cancel()
+        # A handler whose answer is whole finishes, and the server counts this connection
+        # until it has (its `close` waits for it; `_serve` tells it when).
+        if task is None or self._writer is None or not self._writer.ended:
+            self._server.connection_closed(self)
+            if task is not None:
+                task.cancel()
         self._wake_writer()
 
     def pause_writing(self) -> None:
