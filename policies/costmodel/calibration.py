@@ -47,6 +47,20 @@ PARAMETERS = 5
 _LOWER = (0.0, FACTOR_MIN, FACTOR_MIN, FACTOR_MIN, FACTOR_MIN)
 _UPPER = (BASE_MAX_MS, FACTOR_MAX, FACTOR_MAX, FACTOR_MAX, FACTOR_MAX)
 
+# The fit's vectors, one number each: fixed-size tuples of floats, which mypyc keeps unboxed
+# (the fit runs up to four times per outcome).
+Vector = tuple[float, float, float, float, float]
+Mask = tuple[bool, bool, bool, bool, bool]
+# The fit's covariance, symmetric: its upper triangle row by row, (0,0) (0,1) .. (0,4) (1,1)
+# .. (1,4) (2,2) .. (4,4).
+Covariance = tuple[
+    float, float, float, float, float, float, float, float, float, float, float, float, float,
+    float, float,
+]  # fmt: skip
+# Where entry (i, j) of the matrix lies in a `Covariance`.
+_AT = tuple(tuple((min(i, j) * (2 * PARAMETERS + 1 - min(i, j))) // 2 + abs(i - j)
+                  for j in range(PARAMETERS)) for i in range(PARAMETERS))  # fmt: skip
+
 
 class Correction:
     """The roofline's correction for one GPU, fitted as one model (module): a base (what a
@@ -63,17 +77,23 @@ class Correction:
         self.attention = 1.0
         self.memory = 1.0
         spread = FACTOR_SPREAD * FACTOR_SPREAD
-        self._prior_var = (base_spread_ms * base_spread_ms, spread, spread, spread, spread)
-        self._cov = [[v if i == j else 0.0 for j, v in enumerate(self._prior_var)]
-                     for i in range(PARAMETERS)]  # fmt: skip
+        base = base_spread_ms * base_spread_ms
+        self._prior_var: Vector = (base, spread, spread, spread, spread)
+        self._cov: Covariance = (base, 0.0, 0.0, 0.0, 0.0, spread, 0.0, 0.0, 0.0,
+                                 spread, 0.0, 0.0, spread, 0.0, spread)  # fmt: skip
 
     def copy(self) -> Correction:
         out = Correction()
         out.base, out.overhead = self.base, self.overhead
         out.linear, out.attention, out.memory = self.linear, self.attention, self.memory
         out._prior_var = self._prior_var
-        out._cov = [list(row) for row in self._cov]
+        out._cov = self._cov
         return out
+
+    def covariance(self) -> list[list[float]]:
+        """The fit's covariance as a matrix."""
+        cov = list(self._cov)
+        return [[cov[_AT[i][j]] for j in range(PARAMETERS)] for i in range(PARAMETERS)]
 
     def predict(self, terms: Terms) -> float:
         """The stage the terms describe, without the base."""
@@ -93,23 +113,26 @@ class Correction:
         mean of the observation and the prediction (symmetric: a turn 4x faster than predicted
         weighs what one 4x slower does)."""
         overhead, linear_a, attention_a, memory_a, linear_b, attention_b, memory_b = terms
-        theta = [self.base, self.overhead, self.linear, self.attention, self.memory]
         fl, fa, fm = self.linear, self.attention, self.memory
+        theta: Vector = (self.base, self.overhead, fl, fa, fm)
         # Each part teaches the roof that binds it now.
-        x = [1.0 if with_base else 0.0, overhead, 0.0, 0.0, 0.0]
-        for linear, attention, memory in ((linear_a, attention_a, memory_a),
-                                          (linear_b, attention_b, memory_b)):  # fmt: skip
-            if linear * fl + attention * fa >= memory * fm:
-                x[2] += linear
-                x[3] += attention
-            else:
-                x[4] += memory
-        n = PARAMETERS
-        predicted = sum(theta[i] * x[i] for i in range(n))
+        x_linear = x_attention = x_memory = 0.0
+        if linear_a * fl + attention_a * fa >= memory_a * fm:
+            x_linear += linear_a
+            x_attention += attention_a
+        else:
+            x_memory += memory_a
+        if linear_b * fl + attention_b * fa >= memory_b * fm:
+            x_linear += linear_b
+            x_attention += attention_b
+        else:
+            x_memory += memory_b
+        x: Vector = (1.0 if with_base else 0.0, overhead, x_linear, x_attention, x_memory)
+        predicted = _dot(theta, x)
         if not observed > 0.0 or not predicted > 0.0:
             return
         scale = math.sqrt(observed * predicted)
-        z = [value / scale for value in x]
+        z: Vector = (x[0] / scale, x[1] / scale, x[2] / scale, x[3] / scale, x[4] / scale)
         target = observed / scale
         cov = self._cov
         forget = 1.0 - 1.0 / memory_s
@@ -118,49 +141,135 @@ class Correction:
         # (attention's factor at FACTOR_MIN, say) dropped its share of the step while the
         # numbers correlated with it kept theirs, and the base, stepping against it sample
         # after sample, went from tens of ms to a minute while every turn took 30 ms.
-        free = [True] * n
-        for _ in range(n):
-            zf = [z[i] if free[i] else 0.0 for i in range(n)]
-            pz = [sum(cov[i][j] * zf[j] for j in range(n)) if free[i] else 0.0
-                  for i in range(n)]  # fmt: skip
-            denominator = forget + sum(zf[i] * pz[i] for i in range(n))
+        free: Mask = (True, True, True, True, True)
+        gains: Vector = (0.0, 0.0, 0.0, 0.0, 0.0)
+        pz = gains
+        for _ in range(PARAMETERS):
+            zf = _masked(z, free)
+            pz = _masked(_times(cov, zf), free)
+            denominator = forget + _dot(zf, pz)
             if not denominator > 0.0:
                 return
-            error = target - sum(theta[i] * z[i] for i in range(n))
-            gains = [pz[i] / denominator for i in range(n)]
-            stepped = [theta[i] + gains[i] * error for i in range(n)]
-            out = [i for i in range(n) if free[i] and not _LOWER[i] <= stepped[i] <= _UPPER[i]]
-            if not out:
+            error = target - _dot(theta, z)
+            gains = (pz[0] / denominator, pz[1] / denominator, pz[2] / denominator,
+                     pz[3] / denominator, pz[4] / denominator)  # fmt: skip
+            stepped = (theta[0] + gains[0] * error, theta[1] + gains[1] * error,
+                       theta[2] + gains[2] * error, theta[3] + gains[3] * error,
+                       theta[4] + gains[4] * error)  # fmt: skip
+            out = _outside(stepped, free)
+            if not (out[0] or out[1] or out[2] or out[3] or out[4]):
                 theta = stepped
                 break
-            for i in out:
-                theta[i] = _LOWER[i] if stepped[i] < _LOWER[i] else _UPPER[i]
-                free[i] = False
-        for i in range(n):
-            if not free[i]:
-                continue
-            row = cov[i]
-            for j in range(i, n):
-                if free[j]:
-                    # symmetric by construction: rounding apart, the two halves would drift
-                    row[j] = cov[j][i] = (row[j] - gains[i] * pz[j]) / forget
-        if not all(free):
+            theta = _pinned(theta, stepped, out)
+            free = (free[0] and not out[0], free[1] and not out[1], free[2] and not out[2],
+                    free[3] and not out[3], free[4] and not out[4])  # fmt: skip
+        cov = _downdated(cov, gains, pz, forget, free)
+        if not (free[0] and free[1] and free[2] and free[3] and free[4]):
             # The pinned numbers' covariances with the others no longer hold: dropped, the
             # matrix stays positive semi-definite (two blocks that each are).
-            for i in range(n):
-                for j in range(n):
-                    if free[i] != free[j]:
-                        cov[i][j] = 0.0
+            cov = _decoupled(cov, free)
         # A direction no sample excites would grow without bound as it is forgotten (windup):
         # no number is ever less certain than its prior.
-        for i in range(n):
-            variance = cov[i][i]
-            if variance > self._prior_var[i]:
-                shrink = math.sqrt(self._prior_var[i] / variance)
-                for j in range(n):
-                    cov[i][j] *= shrink
-                    cov[j][i] *= shrink
+        prior = self._prior_var
+        if (cov[0] > prior[0] or cov[5] > prior[1] or cov[9] > prior[2] or cov[12] > prior[3]
+                or cov[14] > prior[4]):  # fmt: skip
+            cov = _wound_down(cov, prior)
+        self._cov = cov
         self.base, self.overhead, self.linear, self.attention, self.memory = theta
+
+
+def _dot(a: Vector, b: Vector) -> float:
+    return 0.0 + a[0] * b[0] + a[1] * b[1] + a[2] * b[2] + a[3] * b[3] + a[4] * b[4]
+
+
+def _masked(v: Vector, keep: Mask) -> Vector:
+    """`v`, 0 where not `keep`."""
+    return (v[0] if keep[0] else 0.0, v[1] if keep[1] else 0.0, v[2] if keep[2] else 0.0,
+            v[3] if keep[3] else 0.0, v[4] if keep[4] else 0.0)  # fmt: skip
+
+
+def _times(c: Covariance, v: Vector) -> Vector:
+    """The matrix `c` times `v`, each row summed in column order."""
+    v0, v1, v2, v3, v4 = v
+    return (
+        0.0 + c[0] * v0 + c[1] * v1 + c[2] * v2 + c[3] * v3 + c[4] * v4,
+        0.0 + c[1] * v0 + c[5] * v1 + c[6] * v2 + c[7] * v3 + c[8] * v4,
+        0.0 + c[2] * v0 + c[6] * v1 + c[9] * v2 + c[10] * v3 + c[11] * v4,
+        0.0 + c[3] * v0 + c[7] * v1 + c[10] * v2 + c[12] * v3 + c[13] * v4,
+        0.0 + c[4] * v0 + c[8] * v1 + c[11] * v2 + c[13] * v3 + c[14] * v4,
+    )
+
+
+def _outside(v: Vector, free: Mask) -> Mask:
+    """Which free numbers of `v` lie past their bounds."""
+    return (
+        free[0] and not _LOWER[0] <= v[0] <= _UPPER[0],
+        free[1] and not _LOWER[1] <= v[1] <= _UPPER[1],
+        free[2] and not _LOWER[2] <= v[2] <= _UPPER[2],
+        free[3] and not _LOWER[3] <= v[3] <= _UPPER[3],
+        free[4] and not _LOWER[4] <= v[4] <= _UPPER[4],
+    )
+
+
+def _pinned(theta: Vector, stepped: Vector, out: Mask) -> Vector:
+    """`theta` with each number `out` at the bound `stepped` passed."""
+    pinned = list(theta)
+    for i in range(PARAMETERS):
+        if out[i]:
+            pinned[i] = _LOWER[i] if stepped[i] < _LOWER[i] else _UPPER[i]
+    return pinned[0], pinned[1], pinned[2], pinned[3], pinned[4]
+
+
+def _downdated(c: Covariance, g: Vector, p: Vector, forget: float, free: Mask) -> Covariance:
+    """(c - g p') / forget on the free rows and columns (entry (i, j), i <= j, from g[i] and
+    p[j]), the rest as it was."""
+    f0, f1, f2, f3, f4 = free
+    return (
+        (c[0] - g[0] * p[0]) / forget if f0 else c[0],
+        (c[1] - g[0] * p[1]) / forget if f0 and f1 else c[1],
+        (c[2] - g[0] * p[2]) / forget if f0 and f2 else c[2],
+        (c[3] - g[0] * p[3]) / forget if f0 and f3 else c[3],
+        (c[4] - g[0] * p[4]) / forget if f0 and f4 else c[4],
+        (c[5] - g[1] * p[1]) / forget if f1 else c[5],
+        (c[6] - g[1] * p[2]) / forget if f1 and f2 else c[6],
+        (c[7] - g[1] * p[3]) / forget if f1 and f3 else c[7],
+        (c[8] - g[1] * p[4]) / forget if f1 and f4 else c[8],
+        (c[9] - g[2] * p[2]) / forget if f2 else c[9],
+        (c[10] - g[2] * p[3]) / forget if f2 and f3 else c[10],
+        (c[11] - g[2] * p[4]) / forget if f2 and f4 else c[11],
+        (c[12] - g[3] * p[3]) / forget if f3 else c[12],
+        (c[13] - g[3] * p[4]) / forget if f3 and f4 else c[13],
+        (c[14] - g[4] * p[4]) / forget if f4 else c[14],
+    )
+
+
+def _decoupled(c: Covariance, free: Mask) -> Covariance:
+    """`c` with the entries between a free and a pinned number at 0."""
+    entries = list(c)
+    for i in range(PARAMETERS):
+        for j in range(i + 1, PARAMETERS):
+            if free[i] != free[j]:
+                entries[_AT[i][j]] = 0.0
+    return _covariance(entries)
+
+
+def _wound_down(c: Covariance, prior: Vector) -> Covariance:
+    """`c` with each number's variance past its prior scaled back to it (its row and column
+    by the same factor, in number order)."""
+    entries = list(c)
+    for i in range(PARAMETERS):
+        variance = entries[_AT[i][i]]
+        if variance > prior[i]:
+            shrink = math.sqrt(prior[i] / variance)
+            for j in range(PARAMETERS):
+                entries[_AT[i][j]] *= shrink
+            entries[_AT[i][i]] *= shrink  # the diagonal twice: in its row and its column
+    return _covariance(entries)
+
+
+def _covariance(e: list[float]) -> Covariance:
+    return (e[0], e[1], e[2], e[3], e[4], e[5], e[6], e[7], e[8], e[9], e[10], e[11], e[12],
+            e[13], e[14])  # fmt: skip
 
 
 class Average:

@@ -1,11 +1,12 @@
 from __future__ import annotations
 
+import math
 import random
 import statistics
 
 import pytest
 
-from policies.costmodel.calibration import FACTOR_MIN, Correction
+from policies.costmodel.calibration import BASE_MAX_MS, FACTOR_MAX, FACTOR_MIN, Correction
 from policies.costmodel.estimates import Estimates
 
 PRIOR = Estimates.from_presets("cpu", "tiny-llama").prior
@@ -47,3 +48,93 @@ def test_the_fit_stays_bounded_when_a_factor_sits_at_its_bound(seed: int, attent
         assert correction.attention >= FACTOR_MIN
     assert highest_base < 2.0 * BASE_MS
     assert statistics.median(errors) < 0.1
+
+
+def reference_update(
+    theta: list[float], cov: list[list[float]], prior: list[float], terms: tuple[float, ...],
+    observed: float, with_base: bool, memory_s: float,
+) -> tuple[list[float], list[list[float]]] | None:  # fmt: skip
+    """`Correction.update` on plain matrices: a step of recursive least squares with
+    forgetting on the error relative to sqrt(observed x predicted), numbers that would step
+    past their bounds pinned there and the step taken again, the covariance decoupled from
+    the pinned numbers and wound down to the prior (None: the sample teaches nothing)."""
+    lower = (0.0, FACTOR_MIN, FACTOR_MIN, FACTOR_MIN, FACTOR_MIN)
+    upper = (BASE_MAX_MS, FACTOR_MAX, FACTOR_MAX, FACTOR_MAX, FACTOR_MAX)
+    n = len(theta)
+    x = [1.0 if with_base else 0.0, terms[0], 0.0, 0.0, 0.0]
+    for linear, attention, memory in (terms[1:4], terms[4:7]):
+        if linear * theta[2] + attention * theta[3] >= memory * theta[4]:
+            x[2] += linear
+            x[3] += attention
+        else:
+            x[4] += memory
+    predicted = sum(theta[i] * x[i] for i in range(n))
+    if not observed > 0.0 or not predicted > 0.0:
+        return None
+    scale = math.sqrt(observed * predicted)
+    z = [value / scale for value in x]
+    forget = 1.0 - 1.0 / memory_s
+    theta, cov = list(theta), [list(row) for row in cov]
+    free = [True] * n
+    gains = pz = [0.0] * n
+    for _ in range(n):
+        zf = [z[i] if free[i] else 0.0 for i in range(n)]
+        pz = [sum(cov[i][j] * zf[j] for j in range(n)) if free[i] else 0.0 for i in range(n)]
+        denominator = forget + sum(zf[i] * pz[i] for i in range(n))
+        if not denominator > 0.0:
+            return None
+        error = observed / scale - sum(theta[i] * z[i] for i in range(n))
+        gains = [pz[i] / denominator for i in range(n)]
+        stepped = [theta[i] + gains[i] * error for i in range(n)]
+        out = [i for i in range(n) if free[i] and not lower[i] <= stepped[i] <= upper[i]]
+        if not out:
+            theta = stepped
+            break
+        for i in out:
+            theta[i] = lower[i] if stepped[i] < lower[i] else upper[i]
+            free[i] = False
+    for i in range(n):
+        for j in range(i, n):
+            if free[i] and free[j]:
+                cov[i][j] = cov[j][i] = (cov[i][j] - gains[i] * pz[j]) / forget
+    for i in range(n):
+        for j in range(n):
+            if free[i] != free[j]:
+                cov[i][j] = 0.0
+    for i in range(n):
+        if cov[i][i] > prior[i]:
+            shrink = math.sqrt(prior[i] / cov[i][i])
+            for j in range(n):
+                cov[i][j] *= shrink
+                cov[j][i] *= shrink
+    return theta, cov
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_fit_is_recursive_least_squares_to_the_last_bit(seed: int) -> None:
+    """The fit's unrolled arithmetic (five numbers, a symmetric covariance kept as its upper
+    triangle) gives exactly what the same algorithm on plain matrices gives, over samples
+    that pin numbers at both bounds, teach nothing, wind the covariance up and copy the fit."""
+    rng = random.Random(seed)
+    correction = Correction(base_spread_ms=rng.choice((1.0, BASE_MS)))
+    prior = [row[i] for i, row in enumerate(correction.covariance())]
+    pinned = set()
+    for _ in range(2000):
+        terms = tuple(rng.choice((0.0, rng.uniform(0.0, 5.0), rng.expovariate(0.01)))
+                      for _ in range(7))  # fmt: skip
+        observed = rng.choice((rng.uniform(0.01, 1000.0), rng.expovariate(0.001), 1e-4, -1.0))
+        with_base, memory_s = rng.random() < 0.5, rng.choice((5.0, 200.0))
+        theta = [correction.base, correction.overhead, correction.linear,
+                 correction.attention, correction.memory]  # fmt: skip
+        before = correction.covariance()
+        stepped = reference_update(theta, before, prior, terms, observed, with_base, memory_s)
+        expected = stepped if stepped is not None else (theta, before)
+        correction.update(terms, observed, with_base, memory_s)
+        got = [correction.base, correction.overhead, correction.linear, correction.attention,
+               correction.memory]  # fmt: skip
+        assert got == expected[0]
+        assert correction.covariance() == expected[1]
+        pinned.update(i for i, v in enumerate(got) if v in (FACTOR_MIN, FACTOR_MAX, BASE_MAX_MS))
+        if rng.random() < 0.05:
+            correction = correction.copy()
+    assert pinned  # the samples did pin numbers at their bounds
