@@ -143,7 +143,6 @@ class Scorer(TurnTerms):
         "_cache",
         "_done",
         "_holds",
-        "_legs_running",
         "_max_hold_ms",
         "_refill",
         "_refilled",
@@ -195,21 +194,16 @@ class Scorer(TurnTerms):
         self._refill: float | None = None
         self._shares: dict[str, float] = {}  # per worker, once per turn
         self._done = done
-        self._legs_running: dict[str, int] = {}  # per worker, once per turn
         self._max_hold_ms = max_hold_s * 1000.0
         self._holds: dict[str, Hold | None] = {}
 
     def _prefill_legs(self, worker_id: str) -> int:
         """The split turns' prefill legs this policy placed on the worker that still run
-        there (`StreamLedger.prefill_legs`)."""
+        there (`StreamLedger.prefill_legs`; `streams` asks once per worker)."""
         done = self._done
         if done is None:
             return 0
-        legs = self._legs_running.get(worker_id)
-        if legs is None:
-            legs = done.prefill_legs(worker_id, self._now_s, self._request_id)
-            self._legs_running[worker_id] = legs
-        return legs
+        return done.prefill_legs(worker_id, self._now_s, self._request_id)
 
     def whole(self, worker: WorkerView, held: Hold | None = None) -> Candidate:
         """Prefill and decode on `worker`: colocate where the state is (or none is), else

@@ -80,6 +80,7 @@ class TurnTerms:
         "_stall_rates",
         "_stalls",
         "_stream_budget",
+        "_streams",
         "_uncached_resident",
         "_view",
         "_work",
@@ -153,6 +154,7 @@ class TurnTerms:
         self._aheads: dict[str, float] = {}
         self._stall_rates: dict[str, float] = {}
         self._answer_steps: dict[str, float] = {}
+        self._streams: dict[str, int] = {}
         self._host_rate: float | None = None
 
     def _prefill_on(self, worker: WorkerView) -> PrefillTerms:
@@ -418,13 +420,19 @@ class TurnTerms:
         request running from its prefill on, so a worker hosting prefill legs alone would
         seem to hold a stream that each slow prefill placed there harms, like a worker
         with an answer decoding; a whole turn's prefill stays: it decodes there next)."""
+        wid = worker.worker_id
+        known = self._streams.get(wid)
+        if known is not None:
+            return known
         running = worker.running if worker.running > 0 else 0
         placed = worker.inflight - (worker.waiting if worker.waiting > 0 else 0)
         streams = placed if placed > running else running
         if streams > 0:
-            legs = self._prefill_legs(worker.worker_id)
+            legs = self._prefill_legs(wid)
             streams = streams - legs if streams > legs else 0
-        return self._max_seqs if 0 < self._max_seqs < streams else streams
+        streams = self._max_seqs if 0 < self._max_seqs < streams else streams
+        self._streams[wid] = streams
+        return streams
 
     def _prefill_legs(self, worker_id: str) -> int:
         """The split turns' prefill legs running on the worker (none known here: the
