@@ -7,7 +7,9 @@ request and per relayed chunk. Then `--paced-streams` streams at once, each fram
 after the last as a decoding engine sends them (one frame per read, as in production): frames
 relayed per second and CPU per relayed frame. Needs `wrk` on PATH (Debian package wrk).
 
-Reference routers run in the same run, against the same backend, with `--reference
+`--policies colocate,adaptive` runs one router per placement policy, each measured the same
+way, so their CPU per request and throughput compare within one run. Reference routers run in
+the same run, against the same backend, with `--reference
 NAME=COMMAND`, where COMMAND may use {port}, {backend} and {aux_port} (a second free port);
 e.g. the Rust routers from PyPI
 (`pip install vllm-router sglang-router` into a separate venv):
@@ -128,15 +130,22 @@ def _measure_relay(
 
 
 def _measure(args: argparse.Namespace, work_us: float, script: str, paced: str) -> None:
-    backend_port, router_port = free_port(), free_port()
+    backend_port = free_port()
     backend = f"http://127.0.0.1:{backend_port}"
-    proxies = {"session-router": f"http://127.0.0.1:{router_port}"}
+    proxies: dict[str, str] = {}
     commands = [
         [sys.executable, "-m", "bench.scripts.fast_backend", "--port", str(backend_port),
          "--chunks", str(args.chunks), "--work-us", str(work_us)],
-        [sys.executable, "-m", "session_router_cli", "serve", "--port", str(router_port),
-         "--mixed", backend, "--policy", args.policy, "--log-level", "warning"],
     ]  # fmt: skip
+    policies = args.policies.split(",")
+    for policy in policies:
+        # one router per policy, each measured against the direct runs beside it
+        router_port = free_port()
+        name = "session-router" if len(policies) == 1 else f"session-router/{policy}"
+        proxies[name] = f"http://127.0.0.1:{router_port}"
+        commands.append([sys.executable, "-m", "session_router_cli", "serve", "--port",
+                         str(router_port), "--mixed", backend, "--policy", policy,
+                         "--log-level", "warning"])  # fmt: skip
     for reference in args.reference:
         name, _, template = reference.partition("=")
         port = free_port()
@@ -196,8 +205,9 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=1,
                         help="session ids cycled through (1: every commit coalesces)")  # fmt: skip
     parser.add_argument("--work-us", default="0", help="comma-separated backend CPU per request")
-    parser.add_argument("--policy", default="colocate",
-                        help="the router's placement policy (decisions cost CPU)")  # fmt: skip
+    parser.add_argument("--policies", "--policy", default="colocate",
+                        help="the router's placement policies, comma-separated: one router "
+                        "each, in the same run (decisions cost CPU)")  # fmt: skip
     parser.add_argument(
         "--paced-streams",
         type=int,
