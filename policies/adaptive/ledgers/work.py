@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 from policies.adaptive import tuning
 from policies.adaptive.ledgers.legs import decayed_add, decayed_rate
@@ -147,22 +147,25 @@ class WorkLedger:
             if ahead > 0.0:
                 self._busy[entry[0]] = busy - ahead
 
-    def _latest(self, worker: str) -> Iterator[tuple[float, str, _WorkEntry]]:
+    def _latest(self, worker: str) -> list[tuple[float, str, _WorkEntry]]:
         """The requests placed on `worker` and not finished, latest first: (placed at,
-        request, entry); a request placed again at once comes twice."""
+        request, entry); a request placed again at once comes twice. (A list: a compiled
+        generator costs more per item than the items its callers skip.)"""
+        latest: list[tuple[float, str, _WorkEntry]] = []
         recent = self._recent.get(worker)
         if recent is None:
-            return
+            return latest
         entries = self._entries
         current = self._current[worker]
         for at_s, request_id in reversed(recent):
             if not current:
-                return  # the rest are stale
+                break  # the rest are stale
             entry = entries.get(request_id)
             if entry is None or entry[0] != worker or entry[3] != at_s:
                 continue  # placed again since, or forgotten
             current -= 1
-            yield at_s, request_id, entry
+            latest.append((at_s, request_id, entry))
+        return latest
 
     def settle(self, worker: str, scraped_s: float, queued: int) -> None:
         """A scrape at `scraped_s` saw `queued` requests waiting on `worker`: the last ones
