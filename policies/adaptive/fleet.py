@@ -40,8 +40,8 @@ _PREFILL = 4
 class FleetIndex:
     """The workers of the latest view (`sync`) by id (`index`, edited in place as the views
     change), and the eligible ones (healthy, not draining) ranked, each a list of keys read
-    through `head`, `least` and `emptiest` (sorted once a turn edits them; `id_of` names a
-    key's worker):
+    through `head`, `least`, `most` and `emptiest` (sorted once a turn edits them; `id_of`
+    names a key's worker):
 
     - `roomy` / `full`: the decode-capable ones by `load_score`, KV usage below `kv_limit`
       or not;
@@ -123,6 +123,15 @@ class FleetIndex:
             if wid != skip and len(chosen) < count:
                 chosen.append(wid)
         return chosen
+
+    def most(self, ranking: list[int], count: int) -> list[str]:
+        """The ids of the last `count` of `ranking` (of this index's), the last first."""
+        if self._sorted:
+            last = ranking[-count:][::-1] if count > 0 else []
+        else:
+            last = heapq.nlargest(count, ranking)
+        ids, span = self._ids, self._span
+        return [ids[key % span] for key in last]
 
     def emptiest(self, count: int) -> list[str]:
         """The ids of the `count` decode-capable workers with the lowest KV usage."""

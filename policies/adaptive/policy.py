@@ -2,17 +2,18 @@
 
 For every turn the policy enumerates the feasible placements (policies.adaptive.scoring has the
 formulas): the whole turn on the resident worker (colocate) or on any other decode/mixed worker
-(recompute, or colocate for a new session), all with KV usage below `migrate_kv_usage` when
-any is; a handoff (shortlists: `policies.adaptive.shortlists`) from one of the `shortlist`
-least-loaded prefill/mixed workers, the `shortlist` whose recent slow steps already expose
-what decodes there, or the worker that prefilled the session's last split turn (its prefix
-cache still holds that prompt), to the resident worker or to one of the decode shortlist: the
-`shortlist` least loaded and the `shortlist` whose recent slow steps least expose an answer
-decoded there; and, when the resident worker is overloaded (`migrate_queue_threshold`
-requests waiting or KV usage at least `migrate_kv_usage`) or cannot serve the turn itself, a
-migration of its state to one of those (run as a handoff from the resident, whose cache holds
-the context); else a handoff prefills there only where that is a slow step. A session without
-residency never migrates.
+(recompute, or colocate for a new session), all with KV usage below `migrate_kv_usage` when any
+is (past a screen of the least loaded on a large fleet, the emptiest caches and the fullest
+workers with room); a handoff (shortlists: `policies.adaptive.shortlists`) from one of the
+`shortlist` least-loaded prefill/mixed workers, the `shortlist` whose recent slow steps already
+expose what decodes there, or the worker that prefilled the session's last split turn (its
+prefix cache still holds that prompt), to the resident worker or to one of the decode
+shortlist: the `shortlist` least loaded and the `shortlist` whose recent slow steps least
+expose an answer decoded there; and, when the resident worker is overloaded
+(`migrate_queue_threshold` requests waiting or KV usage at least `migrate_kv_usage`) or cannot
+serve the turn itself, a migration of its state to one of those (run as a handoff from the
+resident, whose cache holds the context); else a handoff prefills there only where that is a
+slow step. A session without residency never migrates.
 
 Terms are in expected objective misses: the streams beside a prefill its slow steps push past
 their ITL budgets (harm, `policies.adaptive.scoring`; behind the prefill work placed there and
@@ -252,6 +253,12 @@ class AdaptivePolicy:
             taken = set(chosen)
             emptiest = fleet.emptiest(p.shortlist + len(taken) + 1)
             chosen += [w for w in emptiest if w not in taken and w != skip][: p.shortlist]
+            # and the fullest with room: where an answer packs best (`TurnTerms.pace`); a
+            # screen of the least loaded alone never offers a decode hub, and a fleet past
+            # the screen spread its answers over workers that then hosted no slow prefill
+            taken = set(chosen)
+            fullest = fleet.most(roomy_keys, p.shortlist + 1)
+            chosen += [w for w in fullest if w not in taken and w != skip][: p.shortlist]
         screen = [index[wid] for wid in chosen]
         # Up to the screen's size, every decode-capable worker prices a context prefilled
         # again; past it, the workers scored here do (the least loaded: it errs low).
