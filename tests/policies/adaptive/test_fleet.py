@@ -69,6 +69,7 @@ def _held(fleet: FleetIndex) -> dict[str, object]:
         keys = fleet.head(ranking, len(ranking))
         assert keys == fleet.head(ranking, len(ranking) + 1) == sorted(ranking)
         assert fleet.least(ranking, 3) == [fleet.id_of(k) for k in keys[:3]]
+        assert fleet.most(ranking, 3) == [fleet.id_of(k) for k in keys[::-1][:3]]
         held[name] = [(fleet.value_of(k), fleet.id_of(k)) for k in keys]
     usages = sorted(fleet.usages)
     assert fleet.emptiest(4) == [fleet.id_of(rank) for _, rank in usages[:4]]
