@@ -9,10 +9,9 @@ relayed per second and CPU per relayed frame. Needs `wrk` on PATH (Debian packag
 
 `--policies colocate,adaptive` runs one router per placement policy, each measured the same
 way, so their CPU per request and throughput compare within one run. Reference routers run in
-the same run, against the same backend, with `--reference
-NAME=COMMAND`, where COMMAND may use {port}, {backend} and {aux_port} (a second free port);
-e.g. the Rust routers from PyPI
-(`pip install vllm-router sglang-router` into a separate venv):
+the same run, against the same backend, with `--reference NAME=COMMAND`, where COMMAND may use
+{port}, {backend} and {aux_port} (a second free port); e.g. the Rust routers from PyPI (`pip
+install vllm-router sglang-router` into a separate venv):
 
     --reference "vllm-router=VENV/bin/vllm-router --port {port} --worker-urls {backend}
                  --policy round_robin --log-level warning --prometheus-port {aux_port}"

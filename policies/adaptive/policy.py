@@ -252,13 +252,12 @@ class AdaptivePolicy:
             # and the emptiest caches: where a turn's KV evicts least and crowds no stream
             taken = set(chosen)
             emptiest = fleet.emptiest(p.shortlist + len(taken) + 1)
-            chosen += [w for w in emptiest if w not in taken and w != skip][: p.shortlist]
+            chosen += _unscreened(emptiest, taken, skip, p.shortlist)
             # and the fullest with room: where an answer packs best (`TurnTerms.pace`); a
             # screen of the least loaded alone never offers a decode hub, and a fleet past
             # the screen spread its answers over workers that then hosted no slow prefill
-            taken = set(chosen)
             fullest = fleet.most(roomy_keys, p.shortlist + 1)
-            chosen += [w for w in fullest if w not in taken and w != skip][: p.shortlist]
+            chosen += _unscreened(fullest, set(chosen), skip, p.shortlist)
         screen = [index[wid] for wid in chosen]
         # Up to the screen's size, every decode-capable worker prices a context prefilled
         # again; past it, the workers scored here do (the least loaded: it errs low).
@@ -453,6 +452,11 @@ def _remember(table: dict[str, tuple[_Prefix, ...]], turn: Turn, worker: str) ->
     kept = [e for e in table.pop(turn.session_id, ()) if e[0] != turn.request_id]
     table[turn.session_id] = (*kept[-1:], (turn.request_id, worker, turn.prompt_tokens))
     forget_oldest(table)
+
+
+def _unscreened(workers: list[str], screened: set[str], skip: str, count: int) -> list[str]:
+    """The first `count` of `workers` neither `screened` nor `skip`."""
+    return [w for w in workers if w not in screened and w != skip][:count]
 
 
 def _overloaded(worker: WorkerView, params: AdaptiveParams) -> bool:
